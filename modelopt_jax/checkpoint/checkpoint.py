@@ -1,0 +1,51 @@
+"""A checkpoint directory opened and checked: configs, quantization settings, tensor index.
+
+Opening reads only JSON and safetensors headers; tensors are read later, one at a time, through
+:meth:`Checkpoint.read`, which also records what the model consumed so that leftovers (a bias the
+architecture does not have, a stray scale) are reported instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from modelopt_jax.checkpoint.hf_config import ModelConfig, load_model_config
+from modelopt_jax.checkpoint.quant_config import QuantConfig, load_quant_config
+from modelopt_jax.checkpoint.safetensors_index import SafetensorsIndex, TensorInfo
+from modelopt_jax.errors import CheckpointError
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    directory: str
+    model_config: ModelConfig
+    raw_config: dict[str, Any]
+    quant_config: QuantConfig
+    tensors: SafetensorsIndex
+    consumed: set[str] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, check_quantization: bool = True) -> "Checkpoint":
+        directory = os.path.abspath(os.fspath(path))
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{directory}: not a directory (expected a Hugging Face checkpoint directory)")
+        model_config, raw = load_model_config(directory)
+        quant_config = load_quant_config(directory, raw, check=check_quantization)
+        return cls(directory, model_config, raw, quant_config, SafetensorsIndex(directory))
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors.info(name)
+
+    def read(self, name: str) -> np.ndarray:
+        self.consumed.add(name)
+        return self.tensors.read(name)
+
+    def unconsumed(self) -> list[str]:
+        return sorted(set(self.tensors) - self.consumed)

@@ -1,0 +1,200 @@
+"""Lazy, validating reader for single-file and sharded safetensors checkpoints.
+
+We parse the safetensors header ourselves (8-byte length, JSON, raw data) instead of going through
+``safetensors.safe_open`` because (a) its numpy backend has no float8 type, and (b) we want every
+malformed file -- a truncated shard, a header that lies about offsets, an unknown dtype -- to be
+reported up front with the file and tensor named, before any weight is uploaded. Tensors are read
+one at a time straight into a fresh numpy buffer with ``readinto`` (no mmap), so a load holds at
+most one host copy of one tensor beyond what has already been placed on the device, and the page
+cache is never counted as process memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype tag -> numpy dtype. Tags we do not map (e.g. F8_E8M0, F4) can still be listed
+# and inspected; reading them raises DtypeMismatchError.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it claims to be (from the header alone)."""
+
+    name: str
+    file: str  # absolute path
+    dtype: str  # safetensors tag, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _read_header(path: str) -> dict[str, TensorInfo]:
+    """Parses and checks one safetensors file's header; raises CheckpointError naming the file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors file: header claims {header_len} bytes "
+                    f"but the file has {size} bytes")
+            header_bytes = f.read(header_len)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
+    try:
+        header = json.loads(header_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    data_start = 8 + header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {entry!r}") from e
+        if begin < 0 or end < begin or data_start + end > size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] run past the end of the file "
+                f"({size - data_start} data bytes); the file is truncated or corrupt")
+        np_dtype = NUMPY_DTYPES.get(dtype)
+        if np_dtype is not None and any(d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r}: negative dimension in shape {list(shape)}")
+        if np_dtype is not None and int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize != end - begin:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: {dtype}{list(shape)} needs "
+                f"{int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize} bytes but the header gives it "
+                f"{end - begin}")
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+    return tensors
+
+
+class SafetensorsIndex:
+    """All tensors of a checkpoint directory, by name, read lazily.
+
+    ``SafetensorsIndex(directory)`` reads ``model.safetensors.index.json`` when present (sharded),
+    else ``model.safetensors``; every shard's header is checked at construction.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        index_path = os.path.join(self.directory, INDEX_FILE)
+        single_path = os.path.join(self.directory, SINGLE_FILE)
+        self.tensors: dict[str, TensorInfo] = {}
+        if os.path.exists(index_path):
+            self.files = self._read_sharded(index_path)
+        elif os.path.exists(single_path):
+            self.files = [single_path]
+            self.tensors = _read_header(single_path)
+        else:
+            raise CheckpointError(
+                f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} found (expected a Hugging Face "
+                f"safetensors checkpoint directory)")
+
+    def _read_sharded(self, index_path: str) -> list[str]:
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+        headers = {}
+        for file in files:
+            path = os.path.join(self.directory, file)
+            if not os.path.exists(path):
+                names = sorted(n for n, f in weight_map.items() if f == file)
+                raise MissingTensorError(
+                    f"{index_path}: shard {file!r} named for {len(names)} tensors (e.g. {names[0]!r}) "
+                    f"does not exist in {self.directory}")
+            headers[file] = _read_header(path)
+        for name, file in weight_map.items():
+            info = headers[file].get(name)
+            if info is None:
+                raise MissingTensorError(
+                    f"{index_path}: tensor {name!r} is mapped to {file!r} but that shard does not contain it")
+            self.tensors[name] = info
+        # Tensors present in a shard but absent from the index are still usable.
+        for header in headers.values():
+            for name, info in header.items():
+                self.tensors.setdefault(name, info)
+        return [os.path.join(self.directory, f) for f in files]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MissingTensorError(f"{self.directory}: tensor {name!r} not found in {self._where()}") from None
+
+    def _where(self) -> str:
+        return ", ".join(os.path.basename(f) for f in self.files)
+
+    def read(self, name: str) -> np.ndarray:
+        """Reads one tensor into a new numpy array (never a view of a shared buffer)."""
+        info = self.info(name)
+        np_dtype = NUMPY_DTYPES.get(info.dtype)
+        if np_dtype is None:
+            raise DtypeMismatchError(
+                f"{info.file}: tensor {name!r} has dtype {info.dtype}, which this package cannot read "
+                f"(supported: {', '.join(NUMPY_DTYPES)})")
+        out = np.empty(info.shape, dtype=np_dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        try:
+            with open(info.file, "rb") as f:
+                f.seek(info.begin)
+                got = f.readinto(view)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: tensor {name!r}: read failed: {e}") from e
+        if got != info.nbytes:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r}: expected {info.nbytes} bytes, read {got}; file truncated?")
+        return out

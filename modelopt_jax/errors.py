@@ -1,0 +1,52 @@
+"""Typed errors for everything that can be wrong with a checkpoint or a request.
+
+Every error raised while reading a checkpoint names the file, the tensor (when there is one) and
+what was expected versus what was found, so a user can fix the checkpoint without a debugger.
+All of them derive from :class:`ModelOptJaxError`; the ones about bad input also derive from
+``ValueError`` so generic ``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ModelOptJaxError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class CheckpointError(ModelOptJaxError, ValueError):
+    """The checkpoint directory or one of its files is unreadable or malformed."""
+
+
+class ConfigError(CheckpointError):
+    """config.json / hf_quant_config.json is malformed, inconsistent or unsupported."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the model needs is not in the checkpoint (or a shard named by the index is missing)."""
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidScaleError(CheckpointError):
+    """A quantization scale is NaN, infinite, zero or negative."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A tensor's shape does not match what config.json implies."""
+
+
+class DtypeMismatchError(CheckpointError):
+    """A tensor's dtype is not the one its role requires (e.g. a weight that should be F8_E4M3)."""
+
+
+class UnsupportedQuantizationError(ModelOptJaxError, NotImplementedError):
+    """The checkpoint uses a quantization algorithm this package does not run."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The architecture (or one of its options) is not implemented."""
+
+
+class BackendUnavailableError(ModelOptJaxError, RuntimeError):
+    """The requested GEMM backend cannot run here (not built, or no device for it)."""

@@ -1,0 +1,157 @@
+"""Flax NNX dense layers: FP8 (per-tensor, per-channel/per-token, block weight-only) and plain.
+
+Weights are NNX ``Param``s (device arrays, in the checkpoint's storage dtype). Scales are static
+attributes -- Python floats or :class:`StaticArray` -- so ``nnx.split`` leaves them in the graph
+definition and ``jax.jit`` compiles them in as constants; they are never jit arguments.
+``dtype`` is the compute/output dtype; storage dtypes are whatever the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from modelopt_jax.ops.gemm import fp8_gemm
+from modelopt_jax.ops.quantize import dequantize_blockwise, quantize_per_token, quantize_static
+from modelopt_jax.static_array import StaticArray
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    # float32 compute must mean float32 math on GPU/TPU too (no TF32 / bf16 passes).
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """x @ w.T (+ bias) with w stored [N, K]; float32 accumulation, result in ``dtype``."""
+    y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            precision=_precision(dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
+
+
+class Linear(nnx.Module):
+    """Unquantized dense layer (modules excluded from quantization keep the checkpoint dtype)."""
+
+    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+        self.dtype = jnp.dtype(dtype)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _dense(x, self.weight[...], None if self.bias is None else self.bias[...], self.dtype)
+
+
+class Fp8Linear(nnx.Module):
+    """FP8 weight [N, K] x FP8 activation, through :func:`modelopt_jax.ops.fp8_gemm`.
+
+    ``input_scale`` is a float for static per-tensor activation scales (quant_algo ``FP8``) or
+    ``None`` for dynamic per-token scales (``FP8_PER_CHANNEL_PER_TOKEN``). ``weight_scale`` is a
+    float or a length-N ``StaticArray`` (per-channel weights, or a fused layer whose shards had
+    different per-tensor scales). ``shard_sizes`` records the output widths of fused shards.
+    """
+
+    def __init__(self, weight: jax.Array, *, weight_scale: float | StaticArray, input_scale: float | None,
+                 bias: jax.Array | None = None, dtype=jnp.bfloat16, backend: str = "auto",
+                 shard_sizes: Sequence[int] = ()):
+        if weight.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+        self.weight_scale = weight_scale
+        self.input_scale = input_scale
+        self.dtype = jnp.dtype(dtype)
+        self.backend = backend
+        self.shard_sizes = tuple(shard_sizes) or (weight.shape[0],)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.input_scale is None:
+            x_q, x_scale = quantize_per_token(x)
+        else:
+            x_q, x_scale = quantize_static(x, self.input_scale), self.input_scale
+        return fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=self.weight_scale,
+                        bias=None if self.bias is None else self.bias[...], out_dtype=self.dtype,
+                        backend=self.backend)
+
+
+class BlockFp8Linear(nnx.Module):
+    """FP8 weight with one scale per 128x128 block, activations unquantized (``FP8_PB_WO``).
+
+    The weight is dequantized inside the program (float32, then the compute dtype) right before
+    the dot, so device memory holds FP8 codes only.
+    """
+
+    def __init__(self, weight: jax.Array, *, block_scales: StaticArray, bias: jax.Array | None = None,
+                 dtype=jnp.bfloat16, block: int = 128):
+        self.weight = nnx.Param(weight)
+        self.bias = nnx.Param(bias) if bias is not None else None
+        self.block_scales = block_scales
+        self.block = block
+        self.dtype = jnp.dtype(dtype)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = dequantize_blockwise(self.weight[...], self.block_scales.array, self.block)
+        return _dense(x, w, None if self.bias is None else self.bias[...], self.dtype)
+
+
+class ConcatLinear(nnx.Module):
+    """Several dense layers on the same input with outputs concatenated.
+
+    Used for a fused q/k/v or gate/up layer whose shards cannot share one GEMM exactly (their
+    static activation scales differ, so the same input quantizes to different FP8 codes).
+    """
+
+    def __init__(self, parts: Sequence[nnx.Module]):
+        self.parts = nnx.List(parts) if hasattr(nnx, "List") else list(parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.concatenate([p(x) for p in self.parts], axis=-1)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm as Hugging Face computes it: normalize in float32, cast, then scale by the weight."""
+
+    def __init__(self, weight: jax.Array, *, eps: float, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(weight)
+        self.eps = float(eps)
+        self.dtype = jnp.dtype(dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(self.eps))
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden] in the checkpoint dtype; can also act as a tied lm_head."""
+
+    def __init__(self, table: jax.Array, *, dtype=jnp.bfloat16):
+        self.table = nnx.Param(table)
+        self.dtype = jnp.dtype(dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits against the embedding table (tied lm_head), float32."""
+        return _dense(x, self.table[...], None, self.dtype).astype(jnp.float32)

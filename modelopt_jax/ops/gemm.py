@@ -1,0 +1,120 @@
+"""The one FP8 GEMM every quantized dense layer calls, with a pluggable backend.
+
+    y = out_dtype( x_scale * (w_scale * (x_q @ w_q.T)) + bias )
+
+``x_q`` is the FP8 activation [..., K], ``w_q`` the FP8 weight exactly as stored in the checkpoint
+[N, K] (K-major, never transposed), the product accumulated in float32. ``w_scale`` is static
+(a Python float, or a length-N vector for per-channel weights and fused layers with unequal shard
+scales); ``x_scale`` is static (float) or dynamic (one float32 per row, per-token quantization).
+When both scales are scalars they are multiplied once at trace time into a single constant alpha,
+which is what a GEMM epilogue applies.
+
+Backends register an implementation under a name; ``"auto"`` picks the best one available for the
+platform the program is lowered for (today: ``"xla"`` everywhere; the CUTLASS FFI kernel plugs in
+here for CUDA without any layer changing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from modelopt_jax.errors import BackendUnavailableError
+from modelopt_jax.static_array import StaticArray
+
+StaticScale = float | np.ndarray | StaticArray
+
+
+class GemmImpl(Protocol):
+    def __call__(self, x_q: jax.Array, w_q: jax.Array, *, x_scale: float | jax.Array,
+                 w_scale: float | np.ndarray, bias: jax.Array | None, out_dtype) -> jax.Array: ...
+
+
+_BACKENDS: dict[str, GemmImpl] = {}
+# Why a backend named by the user cannot run (e.g. "cutlass": native library not built).
+_UNAVAILABLE: dict[str, str] = {"cutlass": "the CUTLASS FFI kernel is not part of this build yet"}
+
+
+def register_backend(name: str, impl: GemmImpl) -> None:
+    _BACKENDS[name] = impl
+    _UNAVAILABLE.pop(name, None)
+
+
+def available_backends() -> tuple[str, ...]:
+    return ("auto",) + tuple(_BACKENDS)
+
+
+def _resolve(backend: str) -> GemmImpl:
+    if backend == "auto":
+        return _BACKENDS["xla"]
+    impl = _BACKENDS.get(backend)
+    if impl is None:
+        reason = _UNAVAILABLE.get(backend, "unknown backend")
+        raise BackendUnavailableError(
+            f"GEMM backend {backend!r} is unavailable: {reason}; available: {', '.join(available_backends())}")
+    return impl
+
+
+def check_backend(backend: str) -> None:
+    """Raises BackendUnavailableError early (at load time) for a backend that cannot run."""
+    _resolve(backend)
+
+
+def _static(value: StaticScale, name: str) -> float | np.ndarray:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be static (a float or numpy array), not a traced value")
+    if isinstance(value, StaticArray):
+        value = value.array
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = float(value)
+    return np.asarray(value, np.float32) if isinstance(value, np.ndarray) else float(np.float32(value))
+
+
+def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array, w_scale: StaticScale,
+             bias: jax.Array | None = None, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
+    """Scaled FP8 GEMM; leading batch dims of ``x_q`` are reshaped (not copied) to one M axis."""
+    if x_q.dtype != jnp.float8_e4m3fn or w_q.dtype != jnp.float8_e4m3fn:
+        raise TypeError(f"fp8_gemm expects float8_e4m3fn operands, got {x_q.dtype} and {w_q.dtype}")
+    n, k = w_q.shape
+    if x_q.shape[-1] != k:
+        raise ValueError(f"fp8_gemm: x has K={x_q.shape[-1]} but the weight [N={n}, K={k}] needs K={k}")
+    lead = x_q.shape[:-1]
+    m = int(np.prod(lead, dtype=np.int64))
+    w_scale = _static(w_scale, "w_scale")
+    if isinstance(w_scale, np.ndarray) and w_scale.shape != (n,):
+        raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
+    if isinstance(x_scale, jax.Array) or isinstance(x_scale, jax.core.Tracer):
+        if x_scale.shape not in (lead, lead + (1,)):
+            raise ValueError(f"fp8_gemm: dynamic x_scale has shape {x_scale.shape}, expected {lead}")
+        x_scale = x_scale.reshape(m).astype(jnp.float32)
+    else:
+        x_scale = _static(x_scale, "x_scale")
+        if isinstance(x_scale, np.ndarray):
+            raise ValueError("fp8_gemm: a static x_scale must be a scalar")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"fp8_gemm: bias has shape {bias.shape}, expected ({n},)")
+    y = _resolve(backend)(x_q.reshape(m, k), w_q, x_scale=x_scale, w_scale=w_scale, bias=bias,
+                          out_dtype=out_dtype)
+    return y.reshape(*lead, n)
+
+
+def _xla_fp8_gemm(x_q, w_q, *, x_scale, w_scale, bias, out_dtype):
+    """Pure-XLA path: an FP8 dot with float32 accumulation, then the scale/bias epilogue.
+
+    Runs on CPU and TPU (which upcast internally) and on CUDA (where XLA may call cuBLASLt FP8).
+    """
+    acc = jax.lax.dot_general(x_q, w_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if isinstance(x_scale, float) and isinstance(w_scale, float):
+        y = acc * np.float32(np.float32(x_scale) * np.float32(w_scale))
+    else:
+        y = acc * (w_scale if isinstance(w_scale, float) else w_scale[None, :])
+        y = y * (x_scale if isinstance(x_scale, float) else x_scale[:, None])
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
+    return y.astype(out_dtype)
+
+
+register_backend("xla", _xla_fp8_gemm)
