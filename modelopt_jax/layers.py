@@ -3,7 +3,9 @@
 Weights are NNX ``Param``s (device arrays, in the checkpoint's storage dtype). Scales are static
 attributes -- Python floats or :class:`StaticArray` -- so ``nnx.split`` leaves them in the graph
 definition and ``jax.jit`` compiles them in as constants; they are never jit arguments.
-``dtype`` is the compute/output dtype; storage dtypes are whatever the checkpoint holds.
+``dtype`` is the compute dtype and, unless ``out_dtype`` says otherwise, the output dtype (the lm_head
+writes float32 logits: rounding logits of magnitude ~20 to bf16 would cost ~0.1). Storage dtypes
+are whatever the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -25,29 +27,31 @@ def _precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
-    """x @ w.T (+ bias) with w stored [N, K]; float32 accumulation, result in ``dtype``."""
+def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype, out_dtype=None) -> jax.Array:
+    """x @ w.T (+ bias) with w stored [N, K]; float32 accumulation, result in ``out_dtype``."""
     y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
                             precision=_precision(dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(dtype)
+    return y.astype(out_dtype or dtype)
 
 
 class Linear(nnx.Module):
     """Unquantized dense layer (modules excluded from quantization keep the checkpoint dtype)."""
 
-    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16):
+    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16, out_dtype=None):
         self.weight = nnx.Param(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
         self.dtype = jnp.dtype(dtype)
+        self.out_dtype = jnp.dtype(out_dtype or dtype)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _dense(x, self.weight[...], None if self.bias is None else self.bias[...], self.dtype)
+        return _dense(x, self.weight[...], None if self.bias is None else self.bias[...], self.dtype,
+                      self.out_dtype)
 
 
 class Fp8Linear(nnx.Module):
@@ -61,7 +65,7 @@ class Fp8Linear(nnx.Module):
 
     def __init__(self, weight: jax.Array, *, weight_scale: float | StaticArray, input_scale: float | None,
                  bias: jax.Array | None = None, dtype=jnp.bfloat16, backend: str = "auto",
-                 shard_sizes: Sequence[int] = ()):
+                 shard_sizes: Sequence[int] = (), out_dtype=None):
         if weight.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
         self.weight = nnx.Param(weight)
@@ -69,6 +73,7 @@ class Fp8Linear(nnx.Module):
         self.weight_scale = weight_scale
         self.input_scale = input_scale
         self.dtype = jnp.dtype(dtype)
+        self.out_dtype = jnp.dtype(out_dtype or dtype)
         self.backend = backend
         self.shard_sizes = tuple(shard_sizes) or (weight.shape[0],)
 
@@ -82,7 +87,7 @@ class Fp8Linear(nnx.Module):
         else:
             x_q, x_scale = quantize_static(x, self.input_scale), self.input_scale
         return fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=self.weight_scale,
-                        bias=None if self.bias is None else self.bias[...], out_dtype=self.dtype,
+                        bias=None if self.bias is None else self.bias[...], out_dtype=self.out_dtype,
                         backend=self.backend)
 
 
@@ -94,12 +99,13 @@ class BlockFp8Linear(nnx.Module):
     """
 
     def __init__(self, weight: jax.Array, *, block_scales: StaticArray, bias: jax.Array | None = None,
-                 dtype=jnp.bfloat16, block: int = 128):
+                 dtype=jnp.bfloat16, block: int = 128, out_dtype=None):
         self.weight = nnx.Param(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
         self.block_scales = block_scales
         self.block = block
         self.dtype = jnp.dtype(dtype)
+        self.out_dtype = jnp.dtype(out_dtype or dtype)
 
     @property
     def out_features(self) -> int:
@@ -107,7 +113,7 @@ class BlockFp8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = dequantize_blockwise(self.weight[...], self.block_scales.array, self.block)
-        return _dense(x, w, None if self.bias is None else self.bias[...], self.dtype)
+        return _dense(x, w, None if self.bias is None else self.bias[...], self.dtype, self.out_dtype)
 
 
 class ConcatLinear(nnx.Module):
@@ -154,4 +160,4 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the embedding table (tied lm_head), float32."""
-        return _dense(x, self.table[...], None, self.dtype).astype(jnp.float32)
+        return _dense(x, self.table[...], None, self.dtype, jnp.float32)

@@ -62,10 +62,10 @@ class CheckpointWeights:
                 f"excluded and quantized shards ({detail}); they must be quantized (or excluded) together")
         return SCHEMES[None] if next(iter(excluded.values())) else SCHEMES[self.quant.quant_algo]
 
-    def linear(self, prefixes, in_features, out_features, bias) -> nnx.Module:
+    def linear(self, prefixes, in_features, out_features, bias, *, out_dtype=None) -> nnx.Module:
         scheme = self.scheme_for(prefixes)
         shards = [scheme.read(self.ckpt, p, n, in_features, bias) for p, n in zip(prefixes, out_features)]
-        return scheme.build(shards, dtype=self.dtype, backend=self.backend)
+        return scheme.build(shards, dtype=self.dtype, backend=self.backend, out_dtype=out_dtype)
 
     def embedding(self, name, vocab, hidden) -> Embedding:
         table = _read_checked(self.ckpt, f"{name}.weight", FLOAT_DTYPES, [(vocab, hidden)], "embedding table")

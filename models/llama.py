@@ -29,7 +29,7 @@ class WeightSource(Protocol):
     """What the builder needs from a checkpoint (implemented by modelopt_jax.loader)."""
 
     def linear(self, prefixes: Sequence[str], in_features: int, out_features: Sequence[int],
-               bias: bool) -> nnx.Module: ...
+               bias: bool, *, out_dtype=None) -> nnx.Module: ...
 
     def embedding(self, name: str, vocab: int, hidden: int) -> Embedding: ...
 
@@ -128,7 +128,7 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return self.lm_head(hidden)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None) -> jax.Array:
@@ -172,5 +172,5 @@ def build(config: ModelConfig, source: WeightSource, *, dtype) -> CausalLM:
         source.tied_lm_head_ignored("lm_head.weight")
         lm_head = None
     else:
-        lm_head = source.linear(["lm_head"], h, [config.vocab_size], False)
+        lm_head = source.linear(["lm_head"], h, [config.vocab_size], False, out_dtype=jnp.float32)
     return CausalLM(config, embed, layers, norm, lm_head, dtype=dtype)

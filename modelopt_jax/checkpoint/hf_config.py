@@ -110,6 +110,13 @@ def _positive_int(raw: dict[str, Any], key: str, path: str) -> int:
     return value
 
 
+def _number(raw: dict[str, Any], key: str, default: float, path: str) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: {key} must be a number, found {value!r}")
+    return float(value)
+
+
 def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
@@ -126,9 +133,11 @@ def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
     if family == "qwen2" and raw.get("use_sliding_window"):
         raise UnsupportedModelError(f"{path}: Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
     n_heads = _positive_int(raw, "num_attention_heads", path)
-    n_kv = raw.get("num_key_value_heads") or n_heads
+    # Optional keys (null or absent means the default, as in transformers) are still type-checked:
+    # a string here would otherwise surface as a TypeError deep inside the arithmetic below.
+    n_kv = n_heads if raw.get("num_key_value_heads") is None else _positive_int(raw, "num_key_value_heads", path)
     hidden = _positive_int(raw, "hidden_size", path)
-    head_dim = raw.get("head_dim") or hidden // n_heads
+    head_dim = hidden // n_heads if raw.get("head_dim") is None else _positive_int(raw, "head_dim", path)
     if n_heads % n_kv:
         raise ConfigError(f"{path}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
     if raw.get("hidden_act", "silu") != "silu":
@@ -142,8 +151,9 @@ def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
         intermediate_size=_positive_int(raw, "intermediate_size", path),
         num_hidden_layers=_positive_int(raw, "num_hidden_layers", path),
         num_attention_heads=n_heads, num_key_value_heads=int(n_kv), head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6, path),
+        max_position_embeddings=(4096 if raw.get("max_position_embeddings") is None
+                                 else _positive_int(raw, "max_position_embeddings", path)),
         rope=_rope_config(raw, path),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=qkv_bias, o_proj_bias=family == "llama" and bool(raw.get("attention_bias", False)),

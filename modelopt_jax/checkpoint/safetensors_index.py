@@ -105,6 +105,13 @@ def _read_header(path: str) -> dict[str, TensorInfo]:
                 f"{int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize} bytes but the header gives it "
                 f"{end - begin}")
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, data_start + end)
+    # Two entries sharing bytes means the header lies: one tensor would silently load another's data.
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: tensors {first!r} and {second!r} overlap in the data region (data_offsets must "
+                f"not share bytes); the header is corrupt")
     return tensors
 
 
@@ -136,6 +143,9 @@ class SafetensorsIndex:
                 weight_map = json.load(f)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
+            bad = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str)), None)
+            if bad is not None:
+                raise TypeError(f"weight_map maps {bad[0]!r} to {bad[1]!r}, expected a shard file name")
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
         files = sorted(set(weight_map.values()))
@@ -151,8 +161,11 @@ class SafetensorsIndex:
         for name, file in weight_map.items():
             info = headers[file].get(name)
             if info is None:
+                actual = [f for f in files if name in headers[f]]
                 raise MissingTensorError(
-                    f"{index_path}: tensor {name!r} is mapped to {file!r} but that shard does not contain it")
+                    f"{index_path}: tensor {name!r} is mapped to {file!r} but that shard does not contain it "
+                    f"({'it is in ' + ', '.join(map(repr, actual)) if actual else 'no shard does'}); "
+                    f"the index does not match its shards")
             self.tensors[name] = info
         # Tensors present in a shard but absent from the index are still usable.
         for header in headers.values():

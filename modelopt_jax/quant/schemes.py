@@ -66,10 +66,11 @@ def _read_scale(ckpt: Checkpoint, name: str, shapes: Sequence[tuple[int, ...]], 
     value = _read_checked(ckpt, name, ("F32", "BF16", "F16"), shapes, role).astype(np.float32)
     bad = ~(np.isfinite(value) & (value > 0))
     if bad.any():
-        idx = np.argwhere(bad)[0] if value.ndim else ()
+        # Plain Python numbers, so the message reads "found nan at index [5]" on every numpy version.
+        idx = tuple(int(i) for i in np.argwhere(bad)[0]) if value.ndim else ()
         raise InvalidScaleError(
             f"{ckpt.info(name).file}: tensor {name!r} ({role}) must be finite and > 0; found "
-            f"{value[tuple(idx)]!r}" + (f" at index {list(idx)}" if value.ndim else "")
+            f"{float(value[idx])}" + (f" at index {list(idx)}" if value.ndim else "")
             + f" ({int(bad.sum())} bad of {value.size})")
     return value
 
@@ -105,7 +106,7 @@ class LinearScheme:
              has_bias: bool) -> ShardTensors:
         raise NotImplementedError
 
-    def build(self, shards: Sequence[ShardTensors], *, dtype, backend: str) -> nnx.Module:
+    def build(self, shards: Sequence[ShardTensors], *, dtype, backend: str, out_dtype=None) -> nnx.Module:
         raise NotImplementedError
 
 
@@ -128,11 +129,11 @@ class Unquantized(LinearScheme):
                     f"the checkpoint and its quantization config disagree")
         return ShardTensors(prefix, weight, _read_bias(ckpt, prefix, out_features, has_bias))
 
-    def build(self, shards, *, dtype, backend):
+    def build(self, shards, *, dtype, backend, out_dtype=None):
         weights = [s.weight for s in shards]
         if len({w.dtype for w in weights}) > 1:
             weights = [w.astype(np.float32) for w in weights]
-        return Linear(_to_device(_concat(weights)), _fused_bias(shards), dtype=dtype)
+        return Linear(_to_device(_concat(weights)), _fused_bias(shards), dtype=dtype, out_dtype=out_dtype)
 
 
 class Fp8PerTensor(LinearScheme):
@@ -148,10 +149,10 @@ class Fp8PerTensor(LinearScheme):
         return ShardTensors(prefix, weight, _read_bias(ckpt, prefix, out_features, has_bias),
                             weight_scale.reshape(()), float(input_scale.reshape(())))
 
-    def build(self, shards, *, dtype, backend):
+    def build(self, shards, *, dtype, backend, out_dtype=None):
         if len({s.input_scale for s in shards}) > 1:
             # Different activation scales: one GEMM would change the activation FP8 codes.
-            return ConcatLinear([self.build([s], dtype=dtype, backend=backend) for s in shards])
+            return ConcatLinear([self.build([s], dtype=dtype, backend=backend, out_dtype=out_dtype) for s in shards])
         scales = [float(s.weight_scale) for s in shards]
         if len(set(scales)) == 1:
             weight_scale = scales[0]
@@ -159,7 +160,7 @@ class Fp8PerTensor(LinearScheme):
             weight_scale = StaticArray(np.repeat(np.asarray(scales, np.float32), [s.out_features for s in shards]))
         return Fp8Linear(_to_device(_concat([s.weight for s in shards])), weight_scale=weight_scale,
                          input_scale=shards[0].input_scale, bias=_fused_bias(shards), dtype=dtype,
-                         backend=backend, shard_sizes=[s.out_features for s in shards])
+                         backend=backend, shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype)
 
 
 class Fp8PerChannelPerToken(LinearScheme):
@@ -179,11 +180,11 @@ class Fp8PerChannelPerToken(LinearScheme):
         return ShardTensors(prefix, weight, _read_bias(ckpt, prefix, out_features, has_bias),
                             weight_scale.reshape(out_features))
 
-    def build(self, shards, *, dtype, backend):
+    def build(self, shards, *, dtype, backend, out_dtype=None):
         return Fp8Linear(_to_device(_concat([s.weight for s in shards])),
                          weight_scale=StaticArray(_concat([s.weight_scale for s in shards])), input_scale=None,
                          bias=_fused_bias(shards), dtype=dtype, backend=backend,
-                         shard_sizes=[s.out_features for s in shards])
+                         shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype)
 
 
 class Fp8BlockWeightOnly(LinearScheme):
@@ -199,13 +200,13 @@ class Fp8BlockWeightOnly(LinearScheme):
                              f"{BLOCK}x{BLOCK} block weight scale")
         return ShardTensors(prefix, weight, _read_bias(ckpt, prefix, out_features, has_bias), scales.reshape(nb, kb))
 
-    def build(self, shards, *, dtype, backend):
+    def build(self, shards, *, dtype, backend, out_dtype=None):
         if len(shards) > 1 and any(s.out_features % BLOCK for s in shards[:-1]):
             # A shard boundary inside a block: the scale grids cannot simply be stacked.
-            return ConcatLinear([self.build([s], dtype=dtype, backend=backend) for s in shards])
+            return ConcatLinear([self.build([s], dtype=dtype, backend=backend, out_dtype=out_dtype) for s in shards])
         return BlockFp8Linear(_to_device(_concat([s.weight for s in shards])),
                               block_scales=StaticArray(_concat([s.weight_scale for s in shards])),
-                              bias=_fused_bias(shards), dtype=dtype, block=BLOCK)
+                              bias=_fused_bias(shards), dtype=dtype, block=BLOCK, out_dtype=out_dtype)
 
 
 SCHEMES: dict[str | None, LinearScheme] = {
