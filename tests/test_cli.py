@@ -1,0 +1,48 @@
+"""``python -m modelopt_jax``: inspect and generate as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from fixture_paths import fixture_dir
+from modelopt_jax.__main__ import main
+from modelopt_jax.demo import demo_checkpoint_path
+
+
+def test_inspect_demo(capsys):
+    assert main(["inspect", demo_checkpoint_path()]) == 0
+    out = capsys.readouterr().out
+    for text in ("Qwen2ForCausalLM", "modelopt 0.47.0", "quant_algo   FP8", "kv_cache     not quantized",
+                 "lm_head, model.embed_tokens", "layers 0-3 self_attn.q_proj", "input_scale", "F8_E4M3",
+                 "warnings:    none"):
+        assert text in out, text
+
+
+def test_inspect_json_and_unsupported_checkpoint(capsys):
+    assert main(["inspect", "--json", str(fixture_dir("qwen2-tiny-nvfp4"))]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quant_algo"] == "NVFP4"
+    assert any("cannot be loaded" in w for w in report["warnings"])
+    assert report["total_bytes"] == sum(report["tensor_bytes"].values())
+
+
+def test_inspect_kv_fixture_reports_kv_scales(capsys):
+    assert main(["inspect", str(fixture_dir("llama-tiny-fp8-kv"))]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache     FP8" in out and "k_scale" in out and "v_scale" in out
+
+
+def test_bad_path_is_a_clear_error(capsys, tmp_path):
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
+    assert "CheckpointError" in capsys.readouterr().err
+
+
+def test_generate_on_the_demo_subprocess():
+    run = subprocess.run([sys.executable, "-m", "modelopt_jax", "generate", "--prompt", "It is a truth",
+                          "--max-tokens", "12", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    text = run.stdout.strip()
+    assert text.startswith("It is a truth") and len(text) > len("It is a truth") + 5
+    assert "12 tokens" in run.stderr
