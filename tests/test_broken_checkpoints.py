@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 import modelopt_jax
 from modelopt_jax.checkpoint import SafetensorsIndex
+from modelopt_jax.checkpoint.safetensors_index import NUMPY_DTYPES
 from modelopt_jax.errors import (CheckpointError, ConfigError, DtypeMismatchError, InvalidScaleError,
                                  MissingTensorError, ModelOptJaxError, ShapeMismatchError,
                                  UnsupportedQuantizationError)
@@ -37,6 +38,7 @@ SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 Q = "model.layers.0.self_attn.q_proj"
 K = "model.layers.0.self_attn.k_proj"
 V = "model.layers.0.self_attn.v_proj"
+TAGS = {dtype: tag for tag, dtype in NUMPY_DTYPES.items()}  # numpy dtype -> safetensors dtype tag
 SMALL_FIXTURES = ["llama-tiny-fp8", "qwen2-tiny-fp8", "llama-tiny-fp8-kv", "qwen2-tiny-fp8-pc-pt",
                   "qwen2-tiny-fp8-pb-wo"]
 
@@ -59,9 +61,21 @@ def read_tensors(d: Path) -> dict[str, np.ndarray]:
     return {n: index.read(n) for n in index}
 
 
-def write_tensors(d: Path, tensors: dict[str, np.ndarray], file: str = ST) -> None:
+def write_tensors(d: Path, tensors: dict[str, np.ndarray], file: str = ST, *, by_hand: bool = False) -> None:
+    """Writes a safetensors file with safetensors' numpy API, or by hand where that lacks float8."""
     # np.array(order="C"), not np.ascontiguousarray: the latter turns 0-d scales into shape [1].
-    save_file({n: np.array(t, order="C") for n, t in tensors.items()}, str(d / file), metadata={"format": "pt"})
+    arrays = {n: np.array(t, order="C") for n, t in tensors.items()}
+    if not by_hand:
+        try:
+            save_file(arrays, str(d / file), metadata={"format": "pt"})
+            return
+        except (KeyError, TypeError, ValueError):  # older safetensors: numpy backend without float8
+            pass
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for n, a in arrays.items():
+        header[n] = {"dtype": TAGS[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    write_raw(d / file, header, b"".join(a.tobytes() for a in arrays.values()))
 
 
 def edit_tensors(fn: Callable[[dict[str, np.ndarray]], object]):
@@ -91,8 +105,11 @@ def edit_quant(hf: Callable[[dict], None] | None = None, config: Callable[[dict]
     return mutate
 
 
-def set_both(key_hf: str, key_config: str, value):
-    return edit_quant(hf=lambda q: q.__setitem__(key_hf, value), config=lambda q: q.__setitem__(key_config, value))
+def set_quant_algo(value):
+    """Sets quant_algo in both files, so they agree with each other (and not with the tensors)."""
+    def set_algo(q):
+        q["quant_algo"] = value
+    return edit_quant(hf=set_algo, config=set_algo)
 
 
 def read_raw_header(path: Path) -> tuple[dict, bytes]:
@@ -149,11 +166,15 @@ def negative_channel(t):
     t["model.layers.0.mlp.gate_proj.weight_scale"] = scale
 
 
-def mixed_fused_exclusion(d: Path):
-    """Excludes k_proj only (in both files, so they agree) and stores it like an excluded layer."""
-    edit_quant(hf=lambda q: q["exclude_modules"].append(K), config=lambda q: q["ignore"].append(K))(d)
+# Excludes k_proj alone, in both files (so they agree with each other), leaving its tensors FP8.
+exclude_k_only = edit_quant(hf=lambda q: q["exclude_modules"].append(K), config=lambda q: q["ignore"].append(K))
 
-    def excluded_k(t):  # BF16 weight, no scales: exactly what ModelOpt writes for an excluded layer
+
+def exclude_k_and_store_bf16(d: Path):
+    """As exclude_k_only, and k_proj stored exactly as ModelOpt writes an excluded layer (BF16, no scales)."""
+    exclude_k_only(d)
+
+    def excluded_k(t):
         fp8_to_bf16(t, K)
         del t[f"{K}.weight_scale"], t[f"{K}.input_scale"]
     edit_tensors(excluded_k)(d)
@@ -233,7 +254,7 @@ class Case:
     fixture: str
     mutate: Callable[[Path], dict | None]
     error: type[ModelOptJaxError]
-    expect: tuple[str, ...]  # substrings; {dir} {st} {config} {hfq} {index} {shard1} {shard2} + mutate's extras
+    expect: tuple[str, ...]  # substrings; may use {dir} {st} {config} {hfq} {index} and what mutate returns
 
 
 SUPPORTED = "supported: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO"
@@ -329,7 +350,7 @@ CASES = [
          ("{config}:", "rms_norm_eps must be a number", "found '1e-6'")),
     Case("hf-quant-config-bad-json", "qwen2-tiny-fp8", bad_json("hf_quant_config.json"), ConfigError,
          ("{hfq}:", "not valid JSON")),
-    Case("unknown-quant-algo", "llama-tiny-fp8", set_both("quant_algo", "quant_algo", "FP9"),
+    Case("unknown-quant-algo", "llama-tiny-fp8", set_quant_algo("FP9"),
          UnsupportedQuantizationError, ("{hfq}", "{config}", "quant_algo 'FP9' is unknown", SUPPORTED)),
     Case("nvfp4-checkpoint", "qwen2-tiny-nvfp4", lambda d: None, UnsupportedQuantizationError,
          ("{hfq}", "{config}", "quant_algo 'NVFP4'", "does not run", SUPPORTED)),
@@ -351,14 +372,17 @@ CASES = [
     Case("kv-algo-disagreement", "llama-tiny-fp8-kv", edit_quant(config=lambda q: q.pop("kv_cache_scheme")),
          ConfigError, ("{hfq} and {config} disagree",
                        "kv_cache_quant_algo: 'FP8' in hf_quant_config.json vs None in config.json")),
-    Case("mixed-exclusion-in-fused-qkv", "llama-tiny-fp8", mixed_fused_exclusion, ConfigError,
+    Case("mixed-exclusion-in-fused-qkv", "llama-tiny-fp8", exclude_k_and_store_bf16, ConfigError,
          ("{hfq} and {config}", f"fused layer made of {Q}, {K}, {V}", "mixes excluded and quantized",
           f"{K}: excluded by '{K}' (exact)", f"{Q}: quantized")),
+    Case("mixed-exclusion-in-fused-qkv-tensors-fp8", "qwen2-tiny-fp8", exclude_k_only, ConfigError,
+         ("{hfq} and {config}", f"fused layer made of {Q}, {K}, {V}", "mixes excluded and quantized",
+          f"{K}: excluded by '{K}' (exact)", f"{V}: quantized")),
     Case("missing-quant-algo-hf-quant-config", "llama-tiny-fp8", edit_quant(hf=lambda q: q.pop("quant_algo")),
          ConfigError, ("{hfq}:", "'quantization' has no quant_algo")),
     Case("missing-quant-algo-config-json", "qwen2-tiny-fp8", edit_quant(config=lambda q: q.pop("quant_algo")),
          ConfigError, ("{config}:", "quantization_config has no quant_algo")),
-    Case("quant-algo-null-but-fp8-weights", "llama-tiny-fp8", set_both("quant_algo", "quant_algo", None),
+    Case("quant-algo-null-but-fp8-weights", "llama-tiny-fp8", set_quant_algo(None),
          DtypeMismatchError, ("{st}:", "'model.layers.0.self_attn.q_proj.weight'", "not quantized",
                               "has dtype F8_E4M3", "expected BF16 or F16 or F32")),
 ]
@@ -388,11 +412,19 @@ def test_corpus_is_large_and_distinct():
 
 # ------------------------------------------------------------------------------------ positive controls
 
+@pytest.mark.parametrize("by_hand", [False, True], ids=["save_file", "by-hand"])
 @pytest.mark.parametrize("fixture", SMALL_FIXTURES)
-def test_rewritten_copy_loads(fixture, tmp_path):
+def test_rewritten_copy_loads(fixture, by_hand, tmp_path):
     """A copy rewritten by the helpers (no damage) loads, so each broken case fails for its damage alone."""
     d = copy_fixture(fixture, tmp_path)
-    write_tensors(d, read_tensors(d))
+    before = SafetensorsIndex(str(d))
+    tensors = read_tensors(d)
+    write_tensors(d, tensors, by_hand=by_hand)
+    after = SafetensorsIndex(str(d))
+    for n in before:  # same names, dtype tags, shapes (0-d scales stay 0-d) and bytes
+        assert (after.info(n).dtype, after.info(n).shape) == (before.info(n).dtype, before.info(n).shape), n
+        assert after.read(n).tobytes() == tensors[n].tobytes(), n
+    assert len(after) == len(before)
     modelopt_jax.load(d, dtype="float32")
 
 
