@@ -114,7 +114,8 @@ def main(argv=None) -> int:
                 vocab_size=args.vocab, quant_algo=args.quant_algo, max_shard_bytes=int(args.shard_mb * 1e6))
             gen_seconds = time.perf_counter() - t0
             print(f"wrote {info.tensor_bytes / 1e9:.3f} GB in {len(info.files)} file(s) to {directory} "
-                  f"in {gen_seconds:.1f} s", flush=True)
+                  f"in {gen_seconds:.1f} s; writer process peak RSS {_peak_rss() / MiB:,.0f} MiB "
+                  f"(streams one chunk at a time)", flush=True)
         runs = [measure(directory, args.dtype) for _ in range(args.repeat)]
     finally:
         if tmp is not None:
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {k: v for k, v in vars(args).items() if k not in ("child", "json")},
-                       "generate_seconds": gen_seconds, "runs": runs}, f, indent=2)
+                       "generate_seconds": gen_seconds,
+                       "writer_peak_rss": _peak_rss() if gen_seconds is not None else None, "runs": runs}, f, indent=2)
     return 0
 
 

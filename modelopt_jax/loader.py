@@ -19,7 +19,7 @@ from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.errors import CheckpointError, ConfigError, MissingTensorError
 from modelopt_jax.layers import Embedding, RMSNorm
 from modelopt_jax.ops.gemm import check_backend
-from modelopt_jax.quant.schemes import FLOAT_DTYPES, SCHEMES, _read_checked, _read_scale
+from modelopt_jax.quant.schemes import FLOAT_DTYPES, SCHEMES, _read_checked, _read_scale, _to_device
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,11 @@ class CheckpointWeights:
 
     def embedding(self, name, vocab, hidden) -> Embedding:
         table = _read_checked(self.ckpt, f"{name}.weight", FLOAT_DTYPES, [(vocab, hidden)], "embedding table")
-        return Embedding(jnp.asarray(table), dtype=self.dtype)
+        return Embedding(_to_device(table), dtype=self.dtype)
 
     def norm(self, name, size, eps) -> RMSNorm:
         weight = _read_checked(self.ckpt, f"{name}.weight", FLOAT_DTYPES, [(size,)], "RMSNorm weight")
-        return RMSNorm(jnp.asarray(weight), eps=eps, dtype=self.dtype)
+        return RMSNorm(_to_device(weight), eps=eps, dtype=self.dtype)
 
     def kv_scales(self, attn_prefix) -> tuple[float, float] | None:
         if self.quant.kv_cache_quant_algo is None:
