@@ -5,10 +5,21 @@
     logits = model(input_ids)  # int32 [B, T] -> float32 [B, T, vocab]
 """
 
-from modelopt_jax import errors
-from modelopt_jax.demo import demo_checkpoint_path
-from modelopt_jax.loader import load
-from modelopt_jax.ops import fp8_gemm
+import os as _os
+
+# In an installed wheel, `models/` is the subpackage modelopt_jax/models (pyproject.toml maps it).
+# In a source checkout run in place (PYTHONPATH=., Bazel runfiles, the GPU test machine), it sits
+# beside this package at the repository root: make that same directory importable under the same
+# name, so `import modelopt_jax.models` works both ways and nothing else changes.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "models")) and _os.path.isfile(
+        _os.path.join(_root, "models", "__init__.py")):
+    __path__.append(_root)
+
+from modelopt_jax import errors  # noqa: E402
+from modelopt_jax.demo import demo_checkpoint_path  # noqa: E402
+from modelopt_jax.loader import load  # noqa: E402
+from modelopt_jax.ops import fp8_gemm  # noqa: E402
 
 __version__ = "0.1.0"
 

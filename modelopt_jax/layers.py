@@ -61,11 +61,13 @@ class Fp8Linear(nnx.Module):
     ``None`` for dynamic per-token scales (``FP8_PER_CHANNEL_PER_TOKEN``). ``weight_scale`` is a
     float or a length-N ``StaticArray`` (per-channel weights, or a fused layer whose shards had
     different per-tensor scales). ``shard_sizes`` records the output widths of fused shards.
+    ``logical_out`` < N means the weight rows were zero-padded at load time (GEMM kernels want N
+    in multiples of 16); outputs are sliced back to the logical width.
     """
 
     def __init__(self, weight: jax.Array, *, weight_scale: float | StaticArray, input_scale: float | None,
                  bias: jax.Array | None = None, dtype=jnp.bfloat16, backend: str = "auto",
-                 shard_sizes: Sequence[int] = (), out_dtype=None):
+                 shard_sizes: Sequence[int] = (), out_dtype=None, logical_out: int | None = None):
         if weight.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
         self.weight = nnx.Param(weight)
@@ -75,20 +77,22 @@ class Fp8Linear(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.out_dtype = jnp.dtype(out_dtype or dtype)
         self.backend = backend
-        self.shard_sizes = tuple(shard_sizes) or (weight.shape[0],)
+        self.logical_out = int(logical_out or weight.shape[0])
+        self.shard_sizes = tuple(shard_sizes) or (self.logical_out,)
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.logical_out
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.input_scale is None:
             x_q, x_scale = quantize_per_token(x)
         else:
             x_q, x_scale = quantize_static(x, self.input_scale), self.input_scale
-        return fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=self.weight_scale,
-                        bias=None if self.bias is None else self.bias[...], out_dtype=self.out_dtype,
-                        backend=self.backend)
+        y = fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=self.weight_scale,
+                     bias=None if self.bias is None else self.bias[...], out_dtype=self.out_dtype,
+                     backend=self.backend)
+        return y if self.logical_out == y.shape[-1] else y[..., :self.logical_out]
 
 
 class BlockFp8Linear(nnx.Module):

@@ -120,3 +120,27 @@ def test_shards_with_different_input_scales_stay_separate(request):
     x = jnp.asarray(rng.standard_normal((3, 32)).astype(np.float32))
     parts = [Fp8PerTensor().build([s], dtype=jnp.float32, backend="xla")(x) for s in shards]
     np.testing.assert_array_equal(np.asarray(layer(x)), np.concatenate([np.asarray(p) for p in parts], -1))
+
+
+@pytest.mark.parametrize("scheme_name", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_unaligned_output_width_is_padded_once_and_sliced(request, scheme_name):
+    from modelopt_jax.quant.schemes import SCHEMES
+
+    rng = _rng(request)
+    n, k = 20, 32
+    w = _fp8(rng, (n, k))
+    ws = np.float32(0.004) if scheme_name == "FP8" else rng.uniform(1e-3, 5e-3, n).astype(np.float32)
+    shard = ShardTensors("p", w, rng.standard_normal(n).astype(np.float32), ws, 0.02 if scheme_name == "FP8" else None)
+    layer = SCHEMES[scheme_name].build([shard], dtype=jnp.float32, backend="xla")
+    assert layer.weight.shape == (32, k) and layer.out_features == n
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = np.asarray(layer(jnp.asarray(x)))
+    assert y.shape == (3, n)
+    if scheme_name == "FP8":
+        xq = np.clip(x / np.float32(0.02), -448, 448).astype(E4M3).astype(np.float64) * 0.02
+        want = xq @ (w.astype(np.float64) * 0.004).T + shard.bias
+    else:
+        s = np.maximum(np.abs(x).max(-1, keepdims=True) / 448, 1 / (448 * 512))
+        xq = np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
+        want = xq @ (w.astype(np.float64) * ws[:, None]).T + shard.bias
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,9 @@ from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Fp8Linear, Linear
 from modelopt_jax.static_array import StaticArray
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+# FP8 GEMM kernels want N (weight rows) in multiples of this; other widths are zero-padded once at
+# load time and the layer slices its output back (never a per-call pad).
+N_ALIGN = 16
 FP8_WEIGHT_DTYPES = ("F8_E4M3",)
 BLOCK = 128
 
@@ -102,12 +105,26 @@ def _concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays, axis=0, out=aligned_empty(shape, np.result_type(*arrays)))
 
 
-def _fused_bias(shards: Sequence[ShardTensors]):
+def _fused_bias(shards: Sequence[ShardTensors], pad: int = 0):
     if shards[0].bias is None:
         return None
     dtypes = {s.bias.dtype for s in shards}
     biases = [s.bias if len(dtypes) == 1 else s.bias.astype(np.float32) for s in shards]
+    if pad:
+        biases.append(np.zeros(pad, biases[0].dtype))
     return _to_device(_concat(biases))
+
+
+def _row_padding(shards: Sequence[ShardTensors]) -> int:
+    """Rows of zeros that bring the fused output width to a multiple of N_ALIGN."""
+    return -sum(s.out_features for s in shards) % N_ALIGN
+
+
+def _padded_weight(shards: Sequence[ShardTensors], pad: int):
+    weights = [s.weight for s in shards]
+    if pad:
+        weights.append(np.zeros((pad, weights[0].shape[1]), weights[0].dtype))
+    return _to_device(_concat(weights))
 
 
 class LinearScheme:
@@ -167,13 +184,16 @@ class Fp8PerTensor(LinearScheme):
             # Different activation scales: one GEMM would change the activation FP8 codes.
             return ConcatLinear([self.build([s], dtype=dtype, backend=backend, out_dtype=out_dtype) for s in shards])
         scales = [float(s.weight_scale) for s in shards]
+        pad = _row_padding(shards)
         if len(set(scales)) == 1:
             weight_scale = scales[0]
         else:
-            weight_scale = StaticArray(np.repeat(np.asarray(scales, np.float32), [s.out_features for s in shards]))
-        return Fp8Linear(_to_device(_concat([s.weight for s in shards])), weight_scale=weight_scale,
-                         input_scale=shards[0].input_scale, bias=_fused_bias(shards), dtype=dtype,
-                         backend=backend, shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype)
+            sizes = [s.out_features for s in shards] + [pad]
+            weight_scale = StaticArray(np.repeat(np.asarray(scales + [1.0], np.float32), sizes))
+        return Fp8Linear(_padded_weight(shards, pad), weight_scale=weight_scale,
+                         input_scale=shards[0].input_scale, bias=_fused_bias(shards, pad), dtype=dtype,
+                         backend=backend, shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype,
+                         logical_out=sum(s.out_features for s in shards))
 
 
 class Fp8PerChannelPerToken(LinearScheme):
@@ -194,10 +214,12 @@ class Fp8PerChannelPerToken(LinearScheme):
                             weight_scale.reshape(out_features))
 
     def build(self, shards, *, dtype, backend, out_dtype=None):
-        return Fp8Linear(_to_device(_concat([s.weight for s in shards])),
-                         weight_scale=StaticArray(_concat([s.weight_scale for s in shards])), input_scale=None,
-                         bias=_fused_bias(shards), dtype=dtype, backend=backend,
-                         shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype)
+        pad = _row_padding(shards)
+        scales = [s.weight_scale for s in shards] + ([np.ones(pad, np.float32)] if pad else [])
+        return Fp8Linear(_padded_weight(shards, pad), weight_scale=StaticArray(_concat(scales)), input_scale=None,
+                         bias=_fused_bias(shards, pad), dtype=dtype, backend=backend,
+                         shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype,
+                         logical_out=sum(s.out_features for s in shards))
 
 
 class Fp8BlockWeightOnly(LinearScheme):
