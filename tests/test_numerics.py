@@ -49,7 +49,7 @@ def test_quantize_per_token_scales(request):
     x[0, 0] = 0.0  # all-zero row: floor 1/(448*512)
     q, s = quantize_per_token(jnp.asarray(x))
     amax = np.abs(x.astype(np.float64)).max(-1)
-    np.testing.assert_allclose(np.asarray(s), np.maximum(amax / 448, PER_TOKEN_MIN_SCALE), rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(s), np.maximum(amax / 448, PER_TOKEN_MIN_SCALE), rtol=2.5e-7)  # 2 f32 ulps
     assert float(s[0, 0]) == pytest.approx(PER_TOKEN_MIN_SCALE)
     want = np.clip(x / np.asarray(s)[..., None], -448, 448).astype(E4M3)
     np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want.astype(np.float32))

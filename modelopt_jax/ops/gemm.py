@@ -9,9 +9,15 @@ scales); ``x_scale`` is static (float) or dynamic (one float32 per row, per-toke
 When both scales are scalars they are multiplied once at trace time into a single constant alpha,
 which is what a GEMM epilogue applies.
 
-Backends register an implementation under a name; ``"auto"`` picks the best one available for the
-platform the program is lowered for (today: ``"xla"`` everywhere; the CUTLASS FFI kernel plugs in
-here for CUDA without any layer changing).
+Backends register an implementation under a name:
+
+- ``"xla"``: XLA's own FP8 dot with float32 accumulation and the epilogue as XLA ops (any platform).
+- ``"cutlass"``: our ``modelopt_fp8_gemm`` XLA FFI custom call: the CUTLASS kernel on CUDA, the
+  C++ reference handler on CPU (so CI exercises the real FFI plumbing). Scalars travel as a
+  compile-time attribute; per-channel / per-token vectors and the bias as buffers.
+- ``"auto"``: chosen per platform at lowering time (``jax.lax.platform_dependent``): ``"cutlass"``
+  on CUDA when the CUDA library is built and the call qualifies (bf16/fp16 output, K % 16 == 0,
+  N % 8 == 0), ``"xla"`` everywhere else.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class GemmImpl(Protocol):
 
 _BACKENDS: dict[str, GemmImpl] = {}
 # Why a backend named by the user cannot run (e.g. "cutlass": native library not built).
-_UNAVAILABLE: dict[str, str] = {"cutlass": "the CUTLASS FFI kernel is not part of this build yet"}
+_UNAVAILABLE: dict[str, str] = {}
 
 
 def register_backend(name: str, impl: GemmImpl) -> None:
@@ -49,7 +55,7 @@ def available_backends() -> tuple[str, ...]:
 
 def _resolve(backend: str) -> GemmImpl:
     if backend == "auto":
-        return _BACKENDS["xla"]
+        return _auto
     impl = _BACKENDS.get(backend)
     if impl is None:
         reason = _UNAVAILABLE.get(backend, "unknown backend")
@@ -118,3 +124,34 @@ def _xla_fp8_gemm(x_q, w_q, *, x_scale, w_scale, bias, out_dtype):
 
 
 register_backend("xla", _xla_fp8_gemm)
+
+
+def _cutlass_qualifies(x_q, w_q, out_dtype) -> bool:
+    n, k = w_q.shape
+    return jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16) and k % 16 == 0 and n % 8 == 0
+
+
+def _auto(x_q, w_q, *, x_scale, w_scale, bias, out_dtype):
+    """XLA everywhere, except CUDA with our kernel built and a qualifying call: chosen at lowering."""
+    from modelopt_jax.ops import ffi_gemm, native
+
+    kwargs = dict(x_scale=x_scale, w_scale=w_scale, bias=bias, out_dtype=out_dtype)
+    native.warn_if_gpu_without_kernels()
+    if not (native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, out_dtype)):
+        return _xla_fp8_gemm(x_q, w_q, **kwargs)
+    return jax.lax.platform_dependent(
+        x_q, w_q, cuda=lambda x, w: ffi_gemm.ffi_fp8_gemm(x, w, **kwargs),
+        default=lambda x, w: _xla_fp8_gemm(x, w, **kwargs))
+
+
+def _register_native() -> None:
+    from modelopt_jax.ops import ffi_gemm, native
+
+    if native.has_cpu_handler() or native.has_cuda_handler():
+        register_backend("cutlass", ffi_gemm.ffi_fp8_gemm)
+    else:
+        _UNAVAILABLE["cutlass"] = ("the native FFI library was not found (reinstall with `pip install .`; "
+                                   "see README: build)")
+
+
+_register_native()

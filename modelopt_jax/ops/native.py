@@ -1,0 +1,107 @@
+"""Finds the compiled XLA FFI libraries and registers their targets with JAX, once, at import.
+
+``libmodelopt_jax_ffi_cpu.so`` (reference C++ handler, always built) and
+``libmodelopt_jax_ffi_cuda.so`` (CUTLASS kernels, built when nvcc was found) are installed into
+``modelopt_jax/_native``. ``MODELOPT_JAX_NATIVE_DIR`` overrides the search (Bazel sets it). A
+missing CUDA library is not an error: the GEMM then uses XLA's FP8 path on GPUs, and a warning
+says so the first time a CUDA device is seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sysconfig
+import warnings
+
+import jax
+
+TARGET = "modelopt_fp8_gemm"
+CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
+CUDA_LIB = "libmodelopt_jax_ffi_cuda.so"
+
+
+def _search_dirs() -> list[str]:
+    dirs = []
+    if os.environ.get("MODELOPT_JAX_NATIVE_DIR"):
+        dirs.append(os.environ["MODELOPT_JAX_NATIVE_DIR"])
+    import modelopt_jax
+
+    for root in list(getattr(modelopt_jax, "__path__", [])) + [
+            os.path.join(sysconfig.get_paths()["platlib"], "modelopt_jax")]:
+        dirs.append(os.path.join(root, "_native"))
+    return dirs
+
+
+def _find(name: str) -> str | None:
+    for d in _search_dirs():
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+@functools.cache
+def cpu_library() -> ctypes.CDLL | None:
+    path = _find(CPU_LIB)
+    if path is None:
+        return None
+    lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GemmCpu), platform="cpu")
+    return lib
+
+
+@functools.cache
+def cuda_library() -> ctypes.CDLL | None:
+    path = _find(CUDA_LIB)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+    except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
+        warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
+        return None
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GemmCuda), platform="CUDA")
+    return lib
+
+
+@functools.cache
+def warn_if_gpu_without_kernels() -> None:
+    """Once per process: a CUDA device is present but our CUDA library is not, so XLA's FP8 path runs."""
+    if cuda_library() is not None:
+        return
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return
+    if gpus:
+        warnings.warn(f"{CUDA_LIB} was not found (modelopt_jax was built without nvcc?): FP8 GEMMs on "
+                      f"{gpus[0].device_kind} use XLA's FP8 path instead of the CUTLASS kernels", stacklevel=3)
+
+
+def has_cpu_handler() -> bool:
+    return cpu_library() is not None
+
+
+def has_cuda_handler() -> bool:
+    return cuda_library() is not None
+
+
+def config_count(major: int | None = None) -> int:
+    """Number of compiled CUDA tile configurations for compute capability ``major`` (default: device 0)."""
+    lib = cuda_library()
+    if lib is None:
+        return 0
+    if major is None:
+        major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+    return int(lib.ModeloptFp8GemmConfigName(major, 0, None, 0))
+
+
+def config_name(index: int, major: int | None = None) -> str:
+    lib = cuda_library()
+    if major is None:
+        major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+    buf = ctypes.create_string_buffer(128)
+    lib.ModeloptFp8GemmConfigName(major, index, buf, 128)
+    return buf.value.decode()
