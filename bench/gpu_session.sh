@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
+# Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
+#   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...]
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+step=${1:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests) shift
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py tests/test_ffi_gemm.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    memcheck) shift
+      timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 -c "
+import jax, jax.numpy as jnp, numpy as np
+from modelopt_jax.ops.ffi_gemm import ffi_fp8_gemm
+from modelopt_jax.ops import native
+rng = np.random.default_rng(0)
+for c in range(native.config_count()):
+    for m, n, k in [(1, 256, 128), (37, 264, 512), (300, 1024, 256)]:
+        x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.float8_e4m3fn)
+        w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)).astype(jnp.float8_e4m3fn)
+        ffi_fp8_gemm(x, w, x_scale=jnp.ones(m), w_scale=np.ones(n, np.float32), bias=jnp.ones(n), out_dtype=jnp.bfloat16, config=c).block_until_ready()
+        ffi_fp8_gemm(x, w, x_scale=0.5, w_scale=0.5, bias=None, out_dtype=jnp.float16, config=c).block_until_ready()
+print('memcheck sample done')
+" 2>&1 | tail -15 | tee "$OUT/memcheck.log" ;;
+    tune) shift; args=(); while [ $# -gt 0 ] && [ "$1" != bench ] && [ "$1" != tests ]; do args+=("$1"); shift; done
+      python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
+    bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done
+      python3 bench/gemm.py --json "$OUT/bench.json" "${args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+done
