@@ -18,9 +18,14 @@ if not _os.path.isdir(_os.path.join(__path__[0], "models")) and _os.path.isfile(
 
 from modelopt_jax import errors  # noqa: E402
 from modelopt_jax.demo import demo_checkpoint_path  # noqa: E402
+from modelopt_jax.generation import make_cached_forward  # noqa: E402
+from modelopt_jax.kv_cache import KVCache, init_cache  # noqa: E402
+from modelopt_jax.llm import LLM, RequestOutput  # noqa: E402
 from modelopt_jax.loader import load  # noqa: E402
 from modelopt_jax.ops import fp8_gemm  # noqa: E402
+from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "errors", "fp8_gemm", "demo_checkpoint_path", "__version__"]
+__all__ = ["load", "LLM", "SamplingParams", "RequestOutput", "make_cached_forward", "init_cache", "KVCache",
+           "errors", "fp8_gemm", "demo_checkpoint_path", "__version__"]

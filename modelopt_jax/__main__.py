@@ -21,31 +21,28 @@ def _generate(args) -> int:
     import jax
 
     import modelopt_jax
-    from modelopt_jax.greedy import eos_ids, greedy_continue
+    from modelopt_jax import LLM, SamplingParams
     from modelopt_jax.inspect import format_report, inspect_checkpoint
 
     path = args.model or modelopt_jax.demo_checkpoint_path()
     if not args.quiet:
-        print(format_report(inspect_checkpoint(path)), end="\n\n")
-    tokenizer_path = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(tokenizer_path):
-        raise SystemExit(f"{path}: no tokenizer.json; pass token ids with --ids instead of --prompt")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(tokenizer_path)
-    t0 = time.perf_counter()
-    model = modelopt_jax.load(path, dtype=args.dtype, backend=args.backend)
-    t1 = time.perf_counter()
-    ids = tokenizer.encode(args.prompt, add_special_tokens=True).ids
-    bos = model.config.bos_token_id
-    if bos is not None and (not ids or ids[0] != bos):
-        ids = [bos] + ids
-    stop = [] if args.ignore_eos else eos_ids(path)
-    new = greedy_continue(model, ids, args.max_tokens, pad_id=model.config.pad_token_id or 0, stop_ids=stop)
-    t2 = time.perf_counter()
-    print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
-    print(f"[{jax.default_backend()} {args.dtype}: load {t1 - t0:.2f}s, {len(new)} tokens (greedy, "
-          f"cache-less) in {t2 - t1:.2f}s incl. compile]", file=sys.stderr)
+        print(format_report(inspect_checkpoint(path)), end="\n\n", file=sys.stderr)
+    progress = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    progress(f"[load] {path} ({args.dtype}, backend {args.backend}) ...")
+    llm = LLM(path, quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
+              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend)
+    progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
+    prompt = [int(t) for t in args.ids.split(",")] if args.ids else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    (out,) = llm.generate([prompt], params)
+    stats = llm.last_stats
+    progress(f"[prefill] {stats['prompt_tokens']} prompt tokens in {stats['prefill_s']:.2f} s (first call: "
+             f"includes compilation)")
+    progress(f"[decode] {len(out.token_ids)} tokens in {stats['decode_s']:.2f} s (first step incl. compilation "
+             f"{stats['first_decode_step_s']:.2f} s), then {stats['steady_tokens_per_s']:.1f} tokens/s "
+             f"(finish: {out.finish_reason})")
+    print((args.prompt if not args.ids else "") + (out.text if out.text is not None else str(out.token_ids)))
     return 0
 
 
@@ -56,14 +53,23 @@ def main(argv=None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
-    g = sub.add_parser("generate", help="greedy text continuation (default model: the embedded demo)")
+    g = sub.add_parser("generate", help="generate text with KV cache (default model: the embedded demo)")
     g.add_argument("--model", help="checkpoint directory (default: embedded qwen2-bytes-fp8 demo)")
     g.add_argument("--prompt", default="It is a truth universally acknowledged")
+    g.add_argument("--ids", help="comma-separated prompt token ids instead of --prompt")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--quantization", default="auto", choices=["auto", "modelopt"],
+                   help="'modelopt' insists on a ModelOpt checkpoint; 'auto' loads either")
     g.add_argument("--backend", default="auto")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--quiet", action="store_true", help="skip the checkpoint report")
+    g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     from modelopt_jax.errors import ModelOptJaxError

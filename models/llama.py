@@ -5,9 +5,12 @@ the architecture knows nothing about quantization and the loader can stream weig
 time. q/k/v and gate/up are fused into one layer each (one GEMM each); Qwen2 differs from Llama
 only by its q/k/v bias, which the config carries.
 
-The forward here is cache-less: ``model(input_ids)`` computes logits for every position with a
-causal mask. With an FP8 KV cache in the checkpoint, keys (after RoPE) and values are rounded to
-the cache's FP8 grid exactly as ModelOpt's reference does, so logits equal a cached run's.
+``model(input_ids)`` is the cache-less forward: logits for every position with a causal mask.
+With an FP8 KV cache in the checkpoint, keys (after RoPE) and values are rounded to the cache's
+FP8 grid exactly as ModelOpt's reference does, so logits equal a cached run's.
+``model.forward_cached(ids, positions, cache)`` is the cached forward used for generation: it
+writes the new keys/values into a :class:`modelopt_jax.kv_cache.KVCache` at their positions and
+attends over everything cached up to each query's position.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import numpy as np
 from flax import nnx
 
 from modelopt_jax.checkpoint import ModelConfig
+from modelopt_jax.kv_cache import KVCache
 from modelopt_jax.layers import Embedding, RMSNorm
-from modelopt_jax.ops.quantize import fake_quantize_static
+from modelopt_jax.ops.quantize import fake_quantize_static, quantize_static
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 
 
@@ -66,7 +70,7 @@ class Attention(nnx.Module):
         self.kv_scales = kv_scales  # (k_scale, v_scale) for an FP8 KV cache, else None
         self.dtype = jnp.dtype(dtype)
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array):
+    def project_qkv(self, x: jax.Array, positions: jax.Array, fake_quant_kv: bool = True):
         """q, k, v [B,T,heads,D] with RoPE applied and k/v rounded to the FP8 cache grid if any."""
         b, t, _ = x.shape
         qkv = self.qkv(x)
@@ -76,7 +80,7 @@ class Attention(nnx.Module):
         v = qkv[..., q_size + kv_size:].reshape(b, t, self.num_kv_heads, self.head_dim)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if self.kv_scales is not None:
+        if fake_quant_kv and self.kv_scales is not None:
             k = fake_quantize_static(k, self.kv_scales[0])
             v = fake_quantize_static(v, self.kv_scales[1])
         return q, k, v
@@ -84,6 +88,23 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         q, k, v = self.project_qkv(x, positions)
         return self.o_proj(causal_attention(q, k, v, mask))
+
+    def cached(self, x, positions, k_cache, v_cache, scales):
+        """Writes this step's k/v at ``positions`` [B,T] and attends over the cache up to each position."""
+        q, k, v = self.project_qkv(x, positions, fake_quant_kv=False)
+        if scales is not None:  # FP8 cache: store codes, read code * scale (the fake-quant rounding)
+            k, v = quantize_static(k, scales[0]), quantize_static(v, scales[1])
+        rows = jnp.arange(x.shape[0])[:, None]
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
+        keys, values = k_cache, v_cache
+        if scales is not None:
+            keys = (keys.astype(jnp.float32) * np.float32(scales[0])).astype(self.dtype)
+            values = (values.astype(jnp.float32) * np.float32(scales[1])).astype(self.dtype)
+        else:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        mask = (jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        return self.o_proj(causal_attention(q, keys, values, mask)), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -111,6 +132,11 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x), positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def cached(self, x, positions, k_cache, v_cache, scales):
+        attn, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), positions, k_cache, v_cache, scales)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class CausalLM(nnx.Module):
@@ -146,6 +172,25 @@ class CausalLM(nnx.Module):
         for layer in self.layers:
             x = layer(x, positions, mask)
         return self.logits(self.norm(x))
+
+    def forward_cached(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
+                       logit_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Cached forward: ``(ids [B,T], positions [B,T], cache) -> (logits, cache)``.
+
+        Token ``t`` of row ``b`` is at absolute position ``positions[b, t]`` (< cache.max_len); its
+        key/value are written there. ``logit_positions`` [B] (indices into T) computes logits only
+        for one token per row ([B, 1, vocab]) -- the last prompt token at prefill -- instead of all
+        T ([B, T, vocab]). Pure and jit-compatible; donate ``cache`` to update it in place.
+        """
+        scales = cache.scales
+        x = self.embed_tokens(jnp.asarray(input_ids))
+        keys, values = list(cache.keys), list(cache.values)
+        for i, layer in enumerate(self.layers):
+            x, keys[i], values[i] = layer.cached(x, positions, keys[i], values[i],
+                                                 None if scales is None else scales[i])
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[:, None, None], axis=1)
+        return self.logits(self.norm(x)), KVCache(keys, values, scales)
 
 
 def build(config: ModelConfig, source: WeightSource, *, dtype) -> CausalLM:

@@ -41,8 +41,15 @@ def test_bad_path_is_a_clear_error(capsys, tmp_path):
 
 def test_generate_on_the_demo_subprocess():
     run = subprocess.run([sys.executable, "-m", "modelopt_jax", "generate", "--prompt", "It is a truth",
-                          "--max-tokens", "12", "--quiet"], capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "12", "--ignore-eos"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     text = run.stdout.strip()
     assert text.startswith("It is a truth") and len(text) > len("It is a truth") + 5
-    assert "12 tokens" in run.stderr
+    for stage in ("[load] done", "[prefill]", "[decode] 12 tokens", "tokens/s", "quant_algo   FP8"):
+        assert stage in run.stderr, stage
+
+
+def test_generate_bad_input_is_a_clear_error():
+    run = subprocess.run([sys.executable, "-m", "modelopt_jax", "generate", "--max-tokens", "0", "--quiet"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "max_tokens must be a positive integer" in run.stderr

@@ -1,0 +1,84 @@
+"""Sampling parameters and the on-device sampler (greedy, temperature, top-k, top-p, seeded).
+
+All rows of a batch are sampled in one jitted call; per-row settings are arrays, so requests with
+different parameters share a decode step. Greedy (temperature 0) is an exact argmax. Log-probs are
+those of the model's raw distribution (log-softmax of the logits, before temperature/top-k/top-p),
+which is what scoring text needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request (vLLM-compatible names).
+
+    ``temperature`` 0 means greedy. ``top_k`` <= 0 disables top-k; ``top_p`` 1.0 disables top-p.
+    ``seed`` makes sampling reproducible per request. Generation stops at any EOS id of the
+    checkpoint (unless ``ignore_eos``), at ``stop_token_ids``, or after ``max_tokens``.
+    ``logprobs=k`` returns, per generated token, its log-prob and the top-k alternatives;
+    ``prompt_logprobs=k`` does the same for every prompt token after the first.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+
+
+def _sample_row(logits, temperature, top_k, top_p, key):
+    """One row: argmax when temperature == 0, else a draw from the truncated, tempered distribution."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    sorted_desc = jnp.sort(scaled)[::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = sorted_desc[k - 1]
+    probs = jax.nn.softmax(sorted_desc)
+    cum = jnp.cumsum(probs)
+    # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
+    keep_sorted = (cum - probs) < top_p
+    p_threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf))
+    masked = jnp.where((scaled >= kth) & (scaled >= p_threshold), scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, masked)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           keys: jax.Array) -> jax.Array:
+    """``logits`` [B, V] float32 -> token ids [B]; per-row ``temperature``/``top_k``/``top_p``/``keys``."""
+    return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    """(log-prob of ``tokens`` [B], top-``k`` log-probs [B, k], their ids [B, k]) of the raw logits."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    if k == 0:
+        return chosen, jnp.zeros(tokens.shape + (0,), jnp.float32), jnp.zeros(tokens.shape + (0,), jnp.int32)
+    top_vals, top_ids = jax.lax.top_k(logp, k)
+    return chosen, top_vals, top_ids
