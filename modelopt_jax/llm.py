@@ -166,8 +166,11 @@ class LLM:
         """Generates for one prompt or a list (strings or token-id lists); returns one output each."""
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and
-                                              isinstance(prompts[0], (int, np.integer)))
+        # One prompt: a string or a flat sequence of ids. A 1-D numpy array counts too (``_encode``
+        # accepts arrays; without this, a single array prompt was split into one-int "prompts" and
+        # failed with "got int64").
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
+                                              and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             raise ValueError("no prompts given")
@@ -202,7 +205,9 @@ class LLM:
         top_k = jnp.asarray([q.top_k for q in p], jnp.int32)
         top_p = jnp.asarray([q.top_p for q in p], jnp.float32)
         seeds = [q.seed if q.seed is not None else int.from_bytes(os.urandom(4), "little") for q in p]
-        row_keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
+        # PRNGKey takes 32 bits with x64 off: fold the high bits in so large seeds stay distinct
+        row_keys = jnp.stack([jax.random.fold_in(jax.random.PRNGKey(s & 0xFFFFFFFF), (s >> 32) & 0xFFFFFFFF)
+                              for s in seeds])
         num_logprobs = max(q.logprobs or 0 for q in params)
         want_prompt = [q.prompt_logprobs is not None for q in params]
         prompt_k = max(q.prompt_logprobs or 0 for q in params) if any(want_prompt) else None

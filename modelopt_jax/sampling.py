@@ -58,10 +58,14 @@ def _sample_row(logits, temperature, top_k, top_p, key):
     sorted_desc = jnp.sort(scaled)[::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = sorted_desc[k - 1]
-    probs = jax.nn.softmax(sorted_desc)
+    # top-p acts on the top-k-truncated, renormalized distribution, as in vLLM and HF transformers
+    # (top-k first, then top-p). Computing it on the full distribution kept too many tokens: with
+    # probs (.4, .25, ...), top_k=3, top_p=.45 it kept 2 tokens where vLLM keeps 1.
+    in_top_k = jnp.arange(vocab) < k
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf))
     cum = jnp.cumsum(probs)
     # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
-    keep_sorted = (cum - probs) < top_p
+    keep_sorted = in_top_k & ((cum - probs) < top_p)
     p_threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf))
     masked = jnp.where((scaled >= kth) & (scaled >= p_threshold), scaled, -jnp.inf)
     drawn = jax.random.categorical(key, masked)
