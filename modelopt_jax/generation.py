@@ -25,10 +25,13 @@ def make_cached_forward(model: nnx.Module, *, jit: bool = False):
     ``positions`` [B, T] are absolute token positions (< cache.max_len); ``logit_positions`` [B]
     optionally selects one token per row to compute logits for. Returns ``(logits, cache)``.
     """
-    graphdef, state = nnx.split(model)
+    if hasattr(model, "cached_forward_fn"):  # TensorParallelModel: the same function under shard_map
+        forward, state = model.cached_forward_fn()
+    else:
+        graphdef, state = nnx.split(model)
 
-    def forward(state, ids, positions, cache: KVCache, logit_positions=None):
-        return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, logit_positions)
+        def forward(state, ids, positions, cache: KVCache, logit_positions=None):
+            return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, logit_positions)
 
     if jit:
         forward = jax.jit(forward, donate_argnums=(3,))

@@ -83,4 +83,7 @@ def init_cache(model, batch: int, max_len: int, kv_cache_dtype: str = "auto") ->
     dtype, scales = resolve_cache_dtype(kv_cache_dtype, model)
     shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     n = cfg.num_hidden_layers
-    return KVCache([jnp.zeros(shape, dtype) for _ in range(n)], [jnp.zeros(shape, dtype) for _ in range(n)], scales)
+    # A tensor-parallel model splits the cache by KV head, like its attention.
+    sharding = model.cache_sharding() if hasattr(model, "cache_sharding") else None
+    zeros = lambda: jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
+    return KVCache([zeros() for _ in range(n)], [zeros() for _ in range(n)], scales)

@@ -27,6 +27,22 @@ def _precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def _reduce(y: jax.Array, bias: jax.Array | None, axis: str, out_dtype) -> jax.Array:
+    """Row-parallel epilogue: sum the partial products of all shards, then add the bias once."""
+    y = jax.lax.psum(y, axis)
+    if bias is not None:
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(out_dtype)
+    return y
+
+
+class ScaleVector(nnx.Variable):
+    """A per-output-channel weight scale held as device data instead of a compile-time constant.
+
+    Only used under tensor parallelism, where each device's slice of a column-parallel layer has
+    different per-channel scales (a constant must be the same on every device).
+    """
+
+
 def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype, out_dtype=None) -> jax.Array:
     """x @ w.T (+ bias) with w stored [N, K]; float32 accumulation, result in ``out_dtype``."""
     y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
@@ -39,19 +55,24 @@ def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype, out_dtype=
 class Linear(nnx.Module):
     """Unquantized dense layer (modules excluded from quantization keep the checkpoint dtype)."""
 
-    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16, out_dtype=None):
+    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16, out_dtype=None,
+                 reduce_axis: str | None = None):
         self.weight = nnx.Param(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
         self.dtype = jnp.dtype(dtype)
         self.out_dtype = jnp.dtype(out_dtype or dtype)
+        self.reduce_axis = reduce_axis  # tensor parallelism: psum partial outputs over this mesh axis
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _dense(x, self.weight[...], None if self.bias is None else self.bias[...], self.dtype,
-                      self.out_dtype)
+        bias = None if self.bias is None else self.bias[...]
+        if self.reduce_axis:
+            return _reduce(_dense(x, self.weight[...], None, self.dtype, self.out_dtype), bias, self.reduce_axis,
+                           self.out_dtype)
+        return _dense(x, self.weight[...], bias, self.dtype, self.out_dtype)
 
 
 class Fp8Linear(nnx.Module):
@@ -62,12 +83,15 @@ class Fp8Linear(nnx.Module):
     float or a length-N ``StaticArray`` (per-channel weights, or a fused layer whose shards had
     different per-tensor scales). ``shard_sizes`` records the output widths of fused shards.
     ``logical_out`` < N means the weight rows were zero-padded at load time (GEMM kernels want N
-    in multiples of 16); outputs are sliced back to the logical width.
+    in multiples of 16); outputs are sliced back to the logical width. Under tensor parallelism
+    ``weight_scale`` may be a :class:`ScaleVector` and ``reduce_axis`` names the mesh axis that
+    row-parallel partial outputs are summed over.
     """
 
     def __init__(self, weight: jax.Array, *, weight_scale: float | StaticArray, input_scale: float | None,
                  bias: jax.Array | None = None, dtype=jnp.bfloat16, backend: str = "auto",
-                 shard_sizes: Sequence[int] = (), out_dtype=None, logical_out: int | None = None):
+                 shard_sizes: Sequence[int] = (), out_dtype=None, logical_out: int | None = None,
+                 reduce_axis: str | None = None):
         if weight.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
         self.weight = nnx.Param(weight)
@@ -79,6 +103,7 @@ class Fp8Linear(nnx.Module):
         self.backend = backend
         self.logical_out = int(logical_out or weight.shape[0])
         self.shard_sizes = tuple(shard_sizes) or (self.logical_out,)
+        self.reduce_axis = reduce_axis
 
     @property
     def out_features(self) -> int:
@@ -89,9 +114,12 @@ class Fp8Linear(nnx.Module):
             x_q, x_scale = quantize_per_token(x)
         else:
             x_q, x_scale = quantize_static(x, self.input_scale), self.input_scale
-        y = fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=self.weight_scale,
-                     bias=None if self.bias is None else self.bias[...], out_dtype=self.out_dtype,
-                     backend=self.backend)
+        w_scale = self.weight_scale[...] if isinstance(self.weight_scale, nnx.Variable) else self.weight_scale
+        bias = None if self.bias is None else self.bias[...]
+        y = fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=w_scale,
+                     bias=None if self.reduce_axis else bias, out_dtype=self.out_dtype, backend=self.backend)
+        if self.reduce_axis:
+            y = _reduce(y, bias, self.reduce_axis, self.out_dtype)
         return y if self.logical_out == y.shape[-1] else y[..., :self.logical_out]
 
 
@@ -103,9 +131,10 @@ class BlockFp8Linear(nnx.Module):
     """
 
     def __init__(self, weight: jax.Array, *, block_scales: StaticArray, bias: jax.Array | None = None,
-                 dtype=jnp.bfloat16, block: int = 128, out_dtype=None):
+                 dtype=jnp.bfloat16, block: int = 128, out_dtype=None, reduce_axis: str | None = None):
         self.weight = nnx.Param(weight)
         self.bias = nnx.Param(bias) if bias is not None else None
+        self.reduce_axis = reduce_axis
         self.block_scales = block_scales
         self.block = block
         self.dtype = jnp.dtype(dtype)
@@ -117,7 +146,10 @@ class BlockFp8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = dequantize_blockwise(self.weight[...], self.block_scales.array, self.block)
-        return _dense(x, w, None if self.bias is None else self.bias[...], self.dtype, self.out_dtype)
+        bias = None if self.bias is None else self.bias[...]
+        if self.reduce_axis:
+            return _reduce(_dense(x, w, None, self.dtype, self.out_dtype), bias, self.reduce_axis, self.out_dtype)
+        return _dense(x, w, bias, self.dtype, self.out_dtype)
 
 
 class ConcatLinear(nnx.Module):

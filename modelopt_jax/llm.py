@@ -72,17 +72,18 @@ class LLM:
     ``None`` loads whatever the checkpoint is. ``kv_cache_dtype``: ``"auto"`` (FP8 when the
     checkpoint has k/v scales, else the compute dtype), ``"fp8"``, ``"bfloat16"``, ``"float16"``,
     ``"float32"``. ``max_model_len`` bounds prompt + generated tokens (default: the model's
-    ``max_position_embeddings``, at most 4096).
+    ``max_position_embeddings``, at most 4096). ``tensor_parallel_size`` splits the model over
+    that many local devices (see :mod:`modelopt_jax.parallel`).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
                  dtype: str = "bfloat16", max_model_len: int | None = None, kv_cache_dtype: str = "auto",
                  backend: str = "auto", tokenizer: str | os.PathLike | None = None,
-                 compilation_cache_dir: str | None = "auto", **unknown: Any):
+                 compilation_cache_dir: str | None = "auto", tensor_parallel_size: int = 1, **unknown: Any):
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
-                            f"compilation_cache_dir")
+                            f"compilation_cache_dir, tensor_parallel_size")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
         self.path = os.fspath(model) if model is not None else demo_checkpoint_path()
@@ -93,8 +94,13 @@ class LLM:
                 raise ConfigError(f"{self.path}: quantization='modelopt' but this is not a ModelOpt checkpoint "
                                   f"(no hf_quant_config.json, no quantization_config with quant_method 'modelopt'); "
                                   f"pass quantization=None to load it unquantized")
+        mesh = None
+        if tensor_parallel_size != 1:
+            from modelopt_jax.parallel import make_mesh
+
+            mesh = make_mesh(tensor_parallel_size)
         t0 = time.perf_counter()
-        self.model = load(self.path, dtype=dtype, backend=backend)
+        self.model = load(self.path, dtype=dtype, backend=backend, mesh=mesh)
         self.load_seconds = time.perf_counter() - t0
         cfg = self.model.config
         limit = cfg.max_position_embeddings

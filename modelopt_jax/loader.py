@@ -107,13 +107,16 @@ def _check_leftovers(ckpt: Checkpoint) -> None:
             f"{shown}; the checkpoint does not match its config")
 
 
-def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto"):
+def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", mesh=None):
     """Loads a ModelOpt FP8 (or unquantized) Llama/Qwen2 checkpoint as a Flax NNX model.
 
     ``dtype`` is the compute dtype ("bfloat16", "float32" or "float16"); FP8 weights stay FP8 and
     excluded layers keep the checkpoint's dtype in memory. ``backend`` selects the FP8 GEMM
-    ("auto", "xla", later "cutlass"). Returns a :class:`modelopt_jax.models.CausalLM`:
-    ``model(input_ids) -> float32 logits [B, T, vocab]``.
+    ("auto", "xla", "cutlass"). Returns a :class:`modelopt_jax.models.CausalLM`:
+    ``model(input_ids) -> float32 logits [B, T, vocab]``. With ``mesh`` (a 1-D
+    ``jax.sharding.Mesh`` with axis "tp", see :func:`modelopt_jax.parallel.make_mesh`) the model is
+    split Megatron-style over its devices and returned as a
+    :class:`modelopt_jax.parallel.TensorParallelModel` with the same interface.
     """
     from modelopt_jax.models import FAMILIES
 
@@ -122,9 +125,18 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto"):
     ckpt = Checkpoint.open(path)
     log.info("loading %s (%s, quant_algo=%s, kv=%s) as %s", ckpt.directory, ckpt.model_config.architecture,
              ckpt.quant_config.quant_algo, ckpt.quant_config.kv_cache_quant_algo, dtype)
-    model = FAMILIES[ckpt.model_config.family](ckpt.model_config, CheckpointWeights(ckpt, dtype=dtype, backend=backend),
-                                               dtype=dtype)
+    config = ckpt.model_config
+    source = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
+    if mesh is not None:
+        from modelopt_jax import parallel
+
+        tp = mesh.devices.size
+        config = parallel.local_config(ckpt.model_config, tp, os.path.join(ckpt.directory, "config.json"))
+        source = parallel.ShardedWeights(source, mesh)
+    model = FAMILIES[ckpt.model_config.family](config, source, dtype=dtype)
     _check_leftovers(ckpt)
     model.quant_config = ckpt.quant_config
     model.checkpoint_dir = ckpt.directory
+    if mesh is not None:
+        model = parallel.TensorParallelModel(model, mesh, ckpt.model_config)
     return model

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
 import pytest
+
+# Tensor-parallel tests need several devices; on CPU, XLA can split the host into virtual ones.
+# This must happen before jax initialises its backends (i.e. before any test module runs).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # fixture_paths, numpy_reference
 

@@ -33,10 +33,10 @@ def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_
     n = w_q.shape[0]
     operands = [x_q, w_q]
     alpha, row, col = np.float32(1.0), None, None
-    if isinstance(w_scale, np.ndarray):
-        col = w_scale.astype(np.float32)
+    if not isinstance(w_scale, float):  # a vector: numpy constant, or device data under TP
+        col = w_scale.astype(np.float32) if isinstance(w_scale, np.ndarray) else w_scale.astype(jnp.float32)
         if isinstance(x_scale, float):
-            col = (col * np.float32(x_scale)).astype(np.float32)
+            col = col * np.float32(x_scale)
         else:
             row = x_scale
     elif isinstance(x_scale, float):

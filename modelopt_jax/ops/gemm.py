@@ -69,8 +69,11 @@ def check_backend(backend: str) -> None:
     _resolve(backend)
 
 
-def _static(value: StaticScale, name: str) -> float | np.ndarray:
-    if isinstance(value, jax.core.Tracer):
+def _static(value: StaticScale, name: str) -> float | np.ndarray | jax.Array:
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        # A device vector (tensor-parallel per-channel scales differ per device); scalars must be static.
+        if name == "w_scale" and value.ndim == 1:
+            return value.astype(jnp.float32)
         raise TypeError(f"{name} must be static (a float or numpy array), not a traced value")
     if isinstance(value, StaticArray):
         value = value.array
@@ -90,9 +93,9 @@ def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array
     lead = x_q.shape[:-1]
     m = int(np.prod(lead, dtype=np.int64))
     w_scale = _static(w_scale, "w_scale")
-    if isinstance(w_scale, np.ndarray) and w_scale.shape != (n,):
+    if not isinstance(w_scale, float) and w_scale.shape != (n,):
         raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
-    if isinstance(x_scale, jax.Array) or isinstance(x_scale, jax.core.Tracer):
+    if isinstance(x_scale, (jax.Array, jax.core.Tracer)):
         if x_scale.shape not in (lead, lead + (1,)):
             raise ValueError(f"fp8_gemm: dynamic x_scale has shape {x_scale.shape}, expected {lead}")
         x_scale = x_scale.reshape(m).astype(jnp.float32)
