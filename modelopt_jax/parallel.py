@@ -13,6 +13,8 @@
 - Static scales stay compile-time constants where they are the same on every device (per-tensor
   scales; fused-shard scale vectors, whose layout repeats per device). Per-channel scales of
   column-parallel layers differ per device and become sharded device data (``ScaleVector``).
+- Multi-host: the same code under ``jax.distributed.initialize`` -- ``make_mesh`` takes the global
+  device list and each process builds and places only the shards of its own devices.
 - Numerics: dynamic per-token activation scales of a row-parallel layer are computed over each
   device's own K slice (vLLM's behaviour), so FP8_PER_CHANNEL_PER_TOKEN results differ slightly
   from TP=1; row-parallel partial sums are added in the compute dtype.
@@ -113,6 +115,9 @@ class ShardedWeights:
         self.inner, self.mesh = inner, mesh
         self.devices = list(mesh.devices.flat)
         self.tp = len(self.devices)
+        # (mesh index, device) of the devices this process owns: on a multi-host mesh each process
+        # builds and places only its own shards (jax.make_array_from_single_device_arrays).
+        self.local_devices = [(i, d) for i, d in enumerate(self.devices) if d.process_index == jax.process_index()]
 
     def _replicate(self, module):
         graphdef, state = nnx.split(module)
@@ -130,25 +135,24 @@ class ShardedWeights:
         else:
             shards = [scheme.read(ckpt, p, n, in_features * tp, bias) for p, n in zip(prefixes, out_features)]
         axis = 0 if kind == "column" else 1
+        # Per-channel scales of a column-parallel layer differ per device: they cannot be one
+        # compile-time constant and become sharded device data. Decided from the scheme, not from
+        # the values, so every host of a multi-host mesh builds the same program.
+        vector_scales = kind == "column" and any(s.weight_scale is not None and s.weight_scale.ndim == 1
+                                                 for s in shards)
         modules = []
-        for i, device in enumerate(self.devices):
+        for i, device in self.local_devices:
             with jax.default_device(device):
                 module = scheme.build([_slice_shard(s, i, tp, axis) for s in shards], dtype=self.inner.dtype,
                                       backend=self.inner.backend, out_dtype=out_dtype)
-            for layer in _linears(module):
-                if kind == "row":
-                    layer.reduce_axis = AXIS
-            modules.append(module)
-        # Scale vectors that differ between devices (per-channel scales of a column-parallel layer)
-        # cannot be one compile-time constant: they become sharded device data.
-        for j, layer in enumerate(_linears(modules[0])):
-            if isinstance(layer, Fp8Linear) and isinstance(layer.weight_scale, StaticArray):
-                per_device = [_linears(m)[j] for m in modules]
-                if any(other.weight_scale != layer.weight_scale for other in per_device[1:]):
-                    for device, other in zip(self.devices, per_device):
-                        vector = ScaleVector(jax.device_put(other.weight_scale.array, device))
+                for layer in _linears(module):
+                    if kind == "row":
+                        layer.reduce_axis = AXIS
+                    if vector_scales and isinstance(layer, Fp8Linear) and isinstance(layer.weight_scale, StaticArray):
+                        vector = ScaleVector(jax.device_put(layer.weight_scale.array, device))
                         # the attribute started out static (a constant); mark it as data now
-                        other.weight_scale = nnx.data(vector) if hasattr(nnx, "data") else vector
+                        layer.weight_scale = nnx.data(vector) if hasattr(nnx, "data") else vector
+            modules.append(module)
         return self._stitch(modules, kind)
 
     def _stitch(self, modules, kind):
