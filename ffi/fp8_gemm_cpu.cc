@@ -101,14 +101,4 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs ext
 }  // namespace modelopt_jax
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCpu, modelopt_jax::Fp8GemmCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // a [M, K] e4m3fn
-                                  .Arg<xla::ffi::AnyBuffer>()  // b [N, K] e4m3fn
-                                  .RemainingArgs()             // row_scale, col_scale, bias (optional)
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [M, N]
-                                  .Attr<float>("alpha")
-                                  .Attr<bool>("has_row_scale")
-                                  .Attr<bool>("has_col_scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_out_init")
-                                  .Attr<int32_t>("config"));
+                              modelopt_jax::BindFp8GemmOperands(xla::ffi::Ffi::Bind()));

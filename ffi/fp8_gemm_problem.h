@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -109,6 +110,22 @@ inline ffi::Error ParseFp8GemmProblem(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
   p->out = out.untyped_data();
   p->alpha = alpha;
   return ffi::Error::Success();
+}
+
+// The op's operands and attributes in order, appended to a handler's binding (which may start
+// with platform context such as the CUDA stream), so both handlers declare exactly the same op.
+template <typename Binding>
+auto BindFp8GemmOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // a [M, K] e4m3fn (bindings are rvalue-built)
+      .template Arg<ffi::AnyBuffer>()            // b [N, K] e4m3fn
+      .RemainingArgs()                           // row_scale, col_scale, bias, out_init (optional)
+      .template Ret<ffi::AnyBuffer>()            // out [M, N]
+      .template Attr<float>("alpha")
+      .template Attr<bool>("has_row_scale")
+      .template Attr<bool>("has_col_scale")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_out_init")
+      .template Attr<int32_t>("config");
 }
 
 }  // namespace modelopt_jax

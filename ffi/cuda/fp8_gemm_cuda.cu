@@ -109,18 +109,8 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
 }  // namespace modelopt_jax::cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCuda, modelopt_jax::cuda::Fp8GemmCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // a [M, K] e4m3fn
-                                  .Arg<xla::ffi::AnyBuffer>()  // b [N, K] e4m3fn
-                                  .RemainingArgs()             // row_scale, col_scale, bias (optional)
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [M, N]
-                                  .Attr<float>("alpha")
-                                  .Attr<bool>("has_row_scale")
-                                  .Attr<bool>("has_col_scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_out_init")
-                                  .Attr<int32_t>("config"),
+                              modelopt_jax::BindFp8GemmOperands(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Names of the compiled configurations, for the tuning script: returns the count, and copies the
