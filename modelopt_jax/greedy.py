@@ -2,8 +2,8 @@
 
 Each step runs the full forward over a fixed-length, right-padded window (causal attention makes
 the padding invisible to real positions), so one compiled program serves every step. This is
-O(T^2) per token and exists for the demo and for reference checks; KV-cached generation is
-``modelopt_jax.generate`` (its own module).
+O(T^2) per token and exists for reference checks (teacher forcing); KV-cached generation is
+:class:`modelopt_jax.LLM` and :func:`modelopt_jax.make_cached_forward`.
 """
 
 from __future__ import annotations
