@@ -46,6 +46,29 @@ def _generate(args) -> int:
     return 0
 
 
+def _weight_cache(args) -> int:
+    import json
+    import logging
+
+    if args.wc_command == "serve":
+        from modelopt_jax.weight_cache.daemon import serve
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+        def ready(daemon):
+            print(f"serving {daemon.model_path} on {daemon.socket_path} ({daemon.nbytes} bytes in shared memory "
+                  f"{daemon.shm.name})", flush=True)
+
+        serve(args.model, device=args.device, socket_dir=args.socket_dir, dtype=args.dtype, backend=args.backend,
+              ready=ready)
+        return 0
+    from modelopt_jax.weight_cache.client import request
+
+    reply = request(args.wc_command, socket_dir=args.socket_dir, device=args.device)
+    print(json.dumps(reply, indent=2, sort_keys=True))
+    return 0 if reply.get("ok") else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m modelopt_jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +94,17 @@ def main(argv=None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=_generate)
+    w = sub.add_parser("weight-cache", help="weight-cache daemon (host mode): serve, status, stop")
+    wsub = w.add_subparsers(dest="wc_command", required=True)
+    ws = wsub.add_parser("serve", help="load and process a checkpoint once and serve it to other processes")
+    ws.add_argument("--model", required=True)
+    ws.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ws.add_argument("--backend", default="auto")
+    for q in (ws, wsub.add_parser("status", help="describe the daemon serving a device"),
+              wsub.add_parser("stop", help="stop the daemon serving a device")):
+        q.add_argument("--device", type=int, default=0)
+        q.add_argument("--socket-dir", help="default: $MODELOPT_JAX_WEIGHT_CACHE_DIR or a per-user directory")
+    w.set_defaults(func=_weight_cache)
     args = parser.parse_args(argv)
     from modelopt_jax.errors import ModelOptJaxError
 

@@ -50,3 +50,23 @@ class UnsupportedModelError(ConfigError):
 
 class BackendUnavailableError(ModelOptJaxError, RuntimeError):
     """The requested GEMM backend cannot run here (not built, or no device for it)."""
+
+
+class WeightCacheError(ModelOptJaxError, RuntimeError):
+    """The weight-cache daemon is absent, refused a request, or spoke an invalid message.
+
+    ``mismatch`` lists the fingerprint fields that differ when the daemon serves another
+    processing of the checkpoint (empty otherwise), so callers can tell "wrong daemon" apart.
+    """
+
+    def __init__(self, message: str, *, mismatch: list[str] | None = None):
+        super().__init__(message)
+        self.mismatch = list(mismatch or [])
+
+
+class WeightCacheProtocolError(WeightCacheError):
+    """A malformed, oversized or truncated weight-cache message (or a timeout while reading one)."""
+
+
+class UnsupportedForWeightCacheError(WeightCacheError, NotImplementedError):
+    """The checkpoint's quantization cannot be served from processed buffers (e.g. FP8_PB_WO)."""

@@ -73,17 +73,22 @@ class LLM:
     checkpoint has k/v scales, else the compute dtype), ``"fp8"``, ``"bfloat16"``, ``"float16"``,
     ``"float32"``. ``max_model_len`` bounds prompt + generated tokens (default: the model's
     ``max_position_embeddings``, at most 4096). ``tensor_parallel_size`` splits the model over
-    that many local devices (see :mod:`modelopt_jax.parallel`).
+    that many local devices (see :mod:`modelopt_jax.parallel`). ``weight_cache`` ("off", "auto",
+    "require"), ``weight_cache_dir`` and ``weight_cache_timeout`` attach to a weight-cache daemon
+    (see :func:`modelopt_jax.load`).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
                  dtype: str = "bfloat16", max_model_len: int | None = None, kv_cache_dtype: str = "auto",
                  backend: str = "auto", tokenizer: str | os.PathLike | None = None,
-                 compilation_cache_dir: str | None = "auto", tensor_parallel_size: int = 1, **unknown: Any):
+                 compilation_cache_dir: str | None = "auto", tensor_parallel_size: int = 1,
+                 weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
+                 weight_cache_timeout: float | None = None, **unknown: Any):
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
-                            f"compilation_cache_dir, tensor_parallel_size")
+                            f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
+                            f"weight_cache_timeout")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
         self.path = os.fspath(model) if model is not None else demo_checkpoint_path()
@@ -100,7 +105,8 @@ class LLM:
 
             mesh = make_mesh(tensor_parallel_size)
         t0 = time.perf_counter()
-        self.model = load(self.path, dtype=dtype, backend=backend, mesh=mesh)
+        self.model = load(self.path, dtype=dtype, backend=backend, mesh=mesh, weight_cache=weight_cache,
+                          weight_cache_dir=weight_cache_dir, weight_cache_timeout=weight_cache_timeout)
         self.load_seconds = time.perf_counter() - t0
         cfg = self.model.config
         limit = cfg.max_position_embeddings

@@ -107,7 +107,9 @@ def _check_leftovers(ckpt: Checkpoint) -> None:
             f"{shown}; the checkpoint does not match its config")
 
 
-def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", mesh=None):
+def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", mesh=None,
+         weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
+         weight_cache_timeout: float | None = None, weight_cache_device: int = 0):
     """Loads a ModelOpt FP8 (or unquantized) Llama/Qwen2 checkpoint as a Flax NNX model.
 
     ``dtype`` is the compute dtype ("bfloat16", "float32" or "float16"); FP8 weights stay FP8 and
@@ -117,11 +119,24 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", me
     ``jax.sharding.Mesh`` with axis "tp", see :func:`modelopt_jax.parallel.make_mesh`) the model is
     split Megatron-style over its devices and returned as a
     :class:`modelopt_jax.parallel.TensorParallelModel` with the same interface.
+
+    ``weight_cache`` ("off", "auto", "require") attaches to a weight-cache daemon's already
+    processed buffers instead of reading the checkpoint (see :mod:`modelopt_jax.weight_cache`);
+    ``weight_cache_dir`` is its socket directory (default: $MODELOPT_JAX_WEIGHT_CACHE_DIR or a
+    per-user directory), ``weight_cache_timeout`` how long "require" waits for a daemon still loading.
     """
     from modelopt_jax.models import FAMILIES
 
     dtype = resolve_dtype(dtype)
     check_backend(backend)
+    if weight_cache not in ("off", None, False):
+        if mesh is not None:
+            raise ConfigError("weight_cache cannot be combined with tensor parallelism (mesh); use weight_cache='off'")
+        from modelopt_jax.weight_cache.client import load_with_cache
+
+        return load_with_cache(path, dtype=dtype, backend=backend, mode=weight_cache, socket_dir=weight_cache_dir,
+                               device=weight_cache_device, timeout=weight_cache_timeout,
+                               ordinary_load=lambda: load(path, dtype=dtype, backend=backend))
     ckpt = Checkpoint.open(path)
     log.info("loading %s (%s, quant_algo=%s, kv=%s) as %s", ckpt.directory, ckpt.model_config.architecture,
              ckpt.quant_config.quant_algo, ckpt.quant_config.kv_cache_quant_algo, dtype)

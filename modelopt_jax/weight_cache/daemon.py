@@ -1,0 +1,248 @@
+"""The weight-cache daemon (host mode): one per device, serving one processed checkpoint.
+
+Order of events, and why: take the per-device lock (fcntl.flock, so exactly one daemon per
+device and the lock dies with the process), write our pid into it (clients use it to tell "still
+loading" from "absent"), check the scheme is shareable (before any slow work), load and process
+exactly as :func:`modelopt_jax.load` does while recording the layout, copy the arrays into shared
+memory, and only then bind the socket -- so a socket that exists always serves a complete cache.
+Each connection gets a thread; peers are checked with SO_PEERCRED; a bad message or a crashed
+client only ends that connection. ``stop`` (or SIGTERM/SIGINT) unlinks segment, socket and lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+from modelopt_jax.errors import WeightCacheError, WeightCacheProtocolError
+from modelopt_jax.weight_cache import fingerprint, host_store, paths, protocol
+from modelopt_jax.weight_cache.layout import RecordingSource, check_supported
+
+log = logging.getLogger(__name__)
+# Test hook: the uid the daemon accepts instead of its own (lets tests exercise the refusal path).
+ENV_ALLOWED_UID = "MODELOPT_JAX_WEIGHT_CACHE_ALLOWED_UID"
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The connecting process's uid from the kernel (struct ucred {pid, uid, gid})."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def process(path, *, dtype, backend: str):
+    """Loads ``path`` exactly like :func:`modelopt_jax.load` and records the builder's calls.
+
+    Returns (checkpoint, model, recording source).
+    """
+    from modelopt_jax.checkpoint import Checkpoint
+    from modelopt_jax.loader import CheckpointWeights, _check_leftovers
+    from modelopt_jax.models import FAMILIES
+
+    ckpt = Checkpoint.open(path)
+    check_supported(ckpt.quant_config)
+    source = RecordingSource(CheckpointWeights(ckpt, dtype=dtype, backend=backend))
+    model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
+    _check_leftovers(ckpt)
+    return ckpt, model, source
+
+
+def _remove_dead_segments(device: int) -> None:
+    """Unlinks segments left by our dead daemons for this device (named mojwc_<uid>_<device>_<pid>).
+
+    A SIGKILLed daemon's segment is normally removed by its multiprocessing resource tracker;
+    this is the backstop for when the tracker died too.
+    """
+    prefix = f"mojwc_{os.getuid()}_{device}_"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            pid = int(name[len(prefix):])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                log.info("removed shared memory %s of a dead daemon (pid %d)", name, pid)
+            except OSError:
+                pass
+        except PermissionError:
+            continue
+
+
+class Daemon:
+    def __init__(self, model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto"):
+        from modelopt_jax.loader import resolve_dtype
+        from modelopt_jax.ops.gemm import check_backend
+
+        self.model_path = os.path.abspath(os.fspath(model_path))
+        self.device = int(device)
+        self.dir = paths.ensure_private_dir(paths.resolve_dir(socket_dir))
+        self.dtype = resolve_dtype(dtype)
+        self.backend = backend
+        check_backend(backend)
+        self.socket_path = paths.socket_path(self.dir, self.device)
+        self.lock_path = paths.lock_path(self.dir, self.device)
+        self.allowed_uid = int(os.environ.get(ENV_ALLOWED_UID, os.getuid()))
+        self.stop_event = threading.Event()
+        self.lock_fd = None
+        self.shm = None
+        self.listener = None
+        self.attaches = 0
+        self.started = time.time()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WeightCacheError(f"another weight-cache daemon already serves device {self.device} "
+                                   f"(pid {paths.daemon_pid(self.dir, self.device)}, lock {self.lock_path})")
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.lock_fd = fd
+
+    def prepare(self) -> None:
+        """Lock, load, process, publish into shared memory. Does not open the socket yet."""
+        from modelopt_jax.checkpoint import Checkpoint
+
+        self._lock()
+        if os.path.exists(self.socket_path):  # left by a killed daemon: we hold the lock, so it is stale
+            os.unlink(self.socket_path)
+        check_supported(Checkpoint.open(self.model_path, check_quantization=False).quant_config)
+        _remove_dead_segments(self.device)
+        t0 = time.perf_counter()
+        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend)
+        self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend, device="host")
+        self.family = ckpt.model_config.family
+        self.layout = source.calls
+        self.shm, self.index = host_store.create(source.arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
+        self.nbytes = sum(e["nbytes"] for e in self.index.values())
+        del model, source  # the segment is the cache now
+        log.info("processed %s in %.1f s: %d arrays, %d bytes in shared memory %s", self.model_path,
+                 time.perf_counter() - t0, len(self.index), self.nbytes, self.shm.name)
+
+    def listen(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is created 0600, never briefly wider
+        try:
+            listener.bind(self.socket_path)
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(64)
+        listener.settimeout(0.2)
+        self.listener = listener
+
+    def serve_forever(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self.stop_event.is_set():
+                    break
+                raise
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        if self.lock_fd is not None:  # only the lock holder owns the socket and lock paths
+            for path in (self.socket_path, self.lock_path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if self.shm is not None:
+            host_store.destroy(self.shm)
+            self.shm = None
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the flock
+            self.lock_fd = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                uid = peer_uid(conn)
+                if uid != self.allowed_uid:
+                    log.warning("refused a connection from uid %d", uid)
+                    protocol.send(conn, {"ok": False, "error": f"peer uid {uid} is not allowed by this daemon "
+                                                               f"(uid {self.allowed_uid} only)", "refused": "uid"})
+                    return
+                while not self.stop_event.is_set():
+                    try:
+                        request = protocol.recv(conn, timeout=60.0)
+                    except EOFError:
+                        return
+                    reply = self._reply(request)
+                    protocol.send(conn, reply)
+                    if request.get("op") == "stop":
+                        self.stop_event.set()  # serve() cleans up once the accept loop has ended
+                        return
+            except WeightCacheProtocolError as e:
+                log.warning("dropping a connection: %s", e)
+                try:
+                    protocol.send(conn, {"ok": False, "error": f"protocol error: {e}"})
+                except WeightCacheError:
+                    pass
+            except Exception:  # never let one connection take the daemon down
+                log.exception("error while serving a weight-cache connection")
+
+    def _status(self) -> dict:
+        return {"ok": True, "pid": os.getpid(), "model": self.model_path, "device": self.device,
+                "family": self.family, "fingerprint": self.fingerprint, "shm_name": self.shm.name,
+                "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
+                "uptime_s": time.time() - self.started}
+
+    def _reply(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "status":
+            return self._status()
+        if op == "stop":
+            return {"ok": True, "stopping": True}
+        if op == "attach":
+            theirs = request.get("fingerprint")
+            mismatch = fingerprint.diff(self.fingerprint, theirs)
+            if mismatch:
+                return {"ok": False, "error": f"fingerprint mismatch in {', '.join(mismatch)}", "mismatch": mismatch}
+            self.attaches += 1
+            return {"ok": True, "shm_name": self.shm.name, "family": self.family, "layout": self.layout,
+                    "index": self.index, "fingerprint": self.fingerprint}
+        return {"ok": False, "error": f"unknown op {op!r}; expected attach, status or stop"}
+
+
+def serve(model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
+          ready=None) -> None:
+    """Runs a daemon until ``stop`` or SIGTERM/SIGINT; cleans up segment, socket and lock on the way out."""
+    daemon = Daemon(model_path, device=device, socket_dir=socket_dir, dtype=dtype, backend=backend)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda *_: daemon.stop_event.set())
+    try:
+        daemon.prepare()
+        daemon.listen()
+        if ready is not None:
+            ready(daemon)
+        daemon.serve_forever()
+    finally:
+        daemon.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

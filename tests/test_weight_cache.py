@@ -1,0 +1,362 @@
+"""Weight-cache daemon, host mode: a daemon subprocess serves processed buffers over shared memory.
+
+Every test runs the real daemon (``python -m modelopt_jax weight-cache serve``) with a private
+socket directory, and compares against an ordinary load: same greedy tokens, bit-identical arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from fixture_paths import fixture_dir
+from modelopt_jax import LLM, SamplingParams, load
+from modelopt_jax.errors import UnsupportedForWeightCacheError, WeightCacheError, WeightCacheProtocolError
+from modelopt_jax.synthetic import write_checkpoint
+from modelopt_jax.weight_cache import fingerprint, protocol
+from modelopt_jax.weight_cache.client import request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PROMPTS = ["It is a truth universally acknowledged", "The weight cache"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+class DaemonProcess:
+    def __init__(self, model, socket_dir, *, dtype="float32", device=0, env=None, wait=True):
+        self.dir = str(socket_dir)
+        self.sock = os.path.join(self.dir, f"device-{device}.sock")
+        cmd = [sys.executable, "-m", "modelopt_jax", "weight-cache", "serve", "--model", str(model), "--dtype", dtype,
+               "--device", str(device), "--socket-dir", self.dir]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.proc.kill()  # never leave an orphaned daemon behind a failed test
+                self.proc.wait()
+                raise
+
+    def wait_ready(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:  # a stale socket of a killed daemon may exist: wait until *this* one answers
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                reply = request("status", socket_dir=self.dir, timeout=5)
+                if reply.get("pid") == self.proc.pid or reply.get("refused") == "uid":
+                    return
+            except WeightCacheError:
+                pass
+            assert time.monotonic() < deadline, "daemon did not open its socket"
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                if not request("stop", socket_dir=self.dir).get("ok"):
+                    self.proc.terminate()  # e.g. the uid test: SIGTERM must clean up as well
+            except WeightCacheError:
+                self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read()
+
+
+def _outputs(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _leaves(model):
+    return jax.tree_util.tree_leaves(nnx.state(model))
+
+
+def _assert_same_arrays(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+_REFERENCE: dict[str, list] = {}
+
+
+def _reference(name):
+    if name not in _REFERENCE:
+        _REFERENCE[name] = _outputs(LLM(str(fixture_dir(name)), dtype="float32"))
+    return _REFERENCE[name]
+
+
+@pytest.fixture(scope="module")
+def fp8_daemon(tmp_path_factory):
+    d = DaemonProcess(fixture_dir("qwen2-bytes-fp8"), tmp_path_factory.mktemp("wc-fp8"))
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("name", ["qwen2-bytes-fp8", "qwen2-bytes-fp8-pc-pt"])
+def test_greedy_identical_ordinary_fallback_attach(name, tmp_path, fp8_daemon):
+    path = fixture_dir(name)
+    daemon = fp8_daemon if name == "qwen2-bytes-fp8" else DaemonProcess(path, tmp_path / "sock")
+    try:
+        reference = _reference(name)
+        fallback = LLM(str(path), quantization="modelopt", dtype="float32", weight_cache="auto",
+                       weight_cache_dir=tmp_path / "nobody-here")
+        assert fallback.model.weight_cache_source == "disk"
+        assert _outputs(fallback) == reference
+        ordinary = fallback.model
+        for _ in range(2):  # two attachments, never a fallback
+            llm = LLM(str(path), quantization="modelopt", dtype="float32", weight_cache="require",
+                      weight_cache_dir=daemon.dir)
+            assert llm.model.weight_cache_source == "daemon"
+            assert _outputs(llm) == reference
+            _assert_same_arrays(llm.model, ordinary)
+            # zero-copy: the device buffers are the shared-memory pages
+            shm = llm.model.weight_cache_shm
+            base = np.frombuffer(shm.buf, np.uint8).ctypes.data
+            for leaf in _leaves(llm.model):
+                assert base <= leaf.unsafe_buffer_pointer() < base + shm.size
+    finally:
+        if daemon is not fp8_daemon:
+            daemon.stop()
+
+
+def test_socket_and_lock_permissions_single_instance(fp8_daemon):
+    assert stat.S_IMODE(os.stat(fp8_daemon.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(fp8_daemon.sock).st_mode) == 0o600
+    second = DaemonProcess(fixture_dir("qwen2-bytes-fp8"), fp8_daemon.dir, wait=False)
+    assert second.proc.wait(60) != 0
+    assert "already serves device 0" in second.proc.stdout.read()
+    assert request("status", socket_dir=fp8_daemon.dir)["ok"]  # the first one is untouched
+
+
+def test_require_without_daemon_is_a_clear_error(tmp_path):
+    with pytest.raises(WeightCacheError, match="no weight-cache daemon serves device 0"):
+        load(fixture_dir("qwen2-bytes-fp8"), dtype="float32", weight_cache="require", weight_cache_dir=tmp_path,
+             weight_cache_timeout=0.5)
+    with pytest.raises(ValueError, match="weight_cache='sometimes' not supported"):
+        load(fixture_dir("qwen2-bytes-fp8"), weight_cache="sometimes", weight_cache_dir=tmp_path)
+
+
+def test_fingerprint_mismatch_refused_with_fields(fp8_daemon):
+    path = fixture_dir("qwen2-bytes-fp8")
+    with pytest.raises(WeightCacheError, match="fingerprint mismatch in dtype") as info:
+        load(path, dtype="bfloat16", weight_cache="require", weight_cache_dir=fp8_daemon.dir)
+    assert info.value.mismatch == ["dtype"]
+    model = load(path, dtype="bfloat16", weight_cache="auto", weight_cache_dir=fp8_daemon.dir)
+    assert model.weight_cache_source == "disk"
+    # another checkpoint (different headers and config) against the same daemon
+    with pytest.raises(WeightCacheError) as info:
+        load(fixture_dir("qwen2-bytes-fp8-pc-pt"), dtype="float32", weight_cache="require",
+             weight_cache_dir=fp8_daemon.dir)
+    assert "quant_config" in info.value.mismatch and "config.json" in info.value.mismatch
+    assert fingerprint.diff({"a": "1", "b": "2"}, {"a": "1", "c": "2"}) == ["b", "c"]
+
+
+def test_block_fp8_rejected_up_front_by_client_and_daemon(tmp_path):
+    path = fixture_dir("qwen2-tiny-fp8-pb-wo")
+    for mode in ("auto", "require"):
+        with pytest.raises(UnsupportedForWeightCacheError, match="FP8_PB_WO"):
+            load(path, dtype="float32", weight_cache=mode, weight_cache_dir=tmp_path)
+    daemon = DaemonProcess(path, tmp_path / "sock", wait=False)
+    assert daemon.proc.wait(60) == 2
+    out = daemon.proc.stdout.read()
+    assert "UnsupportedForWeightCacheError" in out and "FP8_PB_WO" in out
+    assert not os.path.exists(daemon.sock)
+
+
+def _raw(sock_path, payload: bytes, *, read=True):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(sock_path)
+    s.sendall(payload)
+    if not read:
+        s.close()
+        return None
+    s.shutdown(socket.SHUT_WR)
+    try:
+        return protocol.recv(s, timeout=10, max_bytes=protocol.MAX_REPLY)
+    except EOFError:
+        return None
+    finally:
+        s.close()
+
+
+def test_malformed_messages_do_not_kill_the_daemon(fp8_daemon):
+    sock = fp8_daemon.sock
+    assert "exceeds the limit" in _raw(sock, struct.pack(">I", protocol.MAX_MESSAGE + 1))["error"]
+    assert "truncated" in _raw(sock, struct.pack(">I", 100) + b'{"op":')["error"]
+    assert "not UTF-8 JSON" in _raw(sock, struct.pack(">I", 4) + b"\xff\xfe{}")["error"]
+    assert "JSON object" in _raw(sock, struct.pack(">I", 2) + b"[]")["error"]
+    assert "unknown op" in _raw(sock, protocol.encode({"op": "pickle.loads"}))["error"]
+    assert _raw(sock, b"\x00\x00", read=True) is not None  # truncated length prefix
+    _raw(sock, b"", read=False)  # connect and vanish (a crashed client)
+    _raw(sock, struct.pack(">I", 50) + b"{", read=False)
+    status = request("status", socket_dir=fp8_daemon.dir)
+    assert status["ok"] and fp8_daemon.proc.poll() is None
+    model = load(fixture_dir("qwen2-bytes-fp8"), dtype="float32", weight_cache="require",
+                 weight_cache_dir=fp8_daemon.dir)
+    assert model.weight_cache_source == "daemon"
+
+
+def test_protocol_errors_are_typed():
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(struct.pack(">I", 10) + b"{}")
+        b.shutdown(socket.SHUT_WR)
+        with pytest.raises(WeightCacheProtocolError, match="truncated"):
+            protocol.recv(a, timeout=5)
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(WeightCacheProtocolError, match="timed out"):
+            protocol.recv(a, timeout=0.1)
+
+
+def test_concurrent_clients_attach_and_agree(fp8_daemon):
+    path = fixture_dir("qwen2-bytes-fp8")
+    reference = np.asarray(load(path, dtype="float32")(np.array([[1, 72, 101, 108, 108, 111]], np.int32)))
+    before = request("status", socket_dir=fp8_daemon.dir)["attaches"]
+    results, errors = [None] * 16, []
+
+    def client(i):
+        try:
+            m = load(path, dtype="float32", weight_cache="require", weight_cache_dir=fp8_daemon.dir)
+            results[i] = (m.weight_cache_source, np.asarray(m(np.array([[1, 72, 101, 108, 108, 111]], np.int32))))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for source, logits in results:
+        assert source == "daemon" and np.array_equal(logits, reference)
+    assert request("status", socket_dir=fp8_daemon.dir)["attaches"] == before + 16
+
+
+def test_peer_uid_refused(tmp_path):
+    path = fixture_dir("qwen2-bytes-fp8")
+    daemon = DaemonProcess(path, tmp_path / "sock", env={"MODELOPT_JAX_WEIGHT_CACHE_ALLOWED_UID": str(os.getuid() + 1)})
+    try:
+        with pytest.raises(WeightCacheError, match=f"peer uid {os.getuid()} is not allowed"):
+            load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+        assert load(path, dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir).weight_cache_source \
+            == "disk"
+        if os.getuid() == 0:  # a real other user: refused (by the 0700 directory before SO_PEERCRED)
+            with warnings.catch_warnings():  # the child only touches a socket, never JAX
+                warnings.simplefilter("ignore", RuntimeWarning)
+                pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.connect(daemon.sock)
+                    code = 3  # connected: must not happen
+                except PermissionError:
+                    code = 0
+                except BaseException:  # noqa: BLE001
+                    code = 4
+                os._exit(code)
+            assert os.waitpid(pid, 0)[1] >> 8 == 0
+        assert daemon.proc.poll() is None
+    finally:
+        daemon.stop()  # refused even "stop": terminated with SIGTERM, which must clean up too
+    assert daemon.proc.returncode == 0 and os.listdir(daemon.dir) == []
+
+
+def test_sigkilled_daemon_auto_falls_back(tmp_path):
+    path = fixture_dir("qwen2-bytes-fp8")
+    daemon = DaemonProcess(path, tmp_path / "sock")
+    attached = LLM(str(path), dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(10)
+    reference = _reference("qwen2-bytes-fp8")
+    assert _outputs(attached) == reference  # an attached client keeps its mapping
+    llm = LLM(str(path), dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir)
+    assert llm.model.weight_cache_source == "disk"
+    assert _outputs(llm) == reference
+    with pytest.raises(WeightCacheError):
+        load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir, weight_cache_timeout=0.2)
+    # a new daemon replaces the stale socket and serves again
+    again = DaemonProcess(path, daemon.dir)
+    try:
+        assert load(path, dtype="float32", weight_cache="require",
+                    weight_cache_dir=daemon.dir).weight_cache_source == "daemon"
+    finally:
+        again.stop()
+
+
+def test_require_waits_for_a_loading_daemon(tmp_path):
+    path = fixture_dir("qwen2-bytes-fp8")
+    daemon = DaemonProcess(path, tmp_path / "sock", wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        lock = pathlib.Path(daemon.dir, "device-0.lock")
+        while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        model = load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir,
+                     weight_cache_timeout=60)
+        assert model.weight_cache_source == "daemon"
+    finally:
+        out = daemon.stop()
+    assert daemon.proc.returncode == 0, out
+    assert os.listdir(daemon.dir) == []  # socket and lock removed
+    assert not any(n.startswith(f"mojwc_{os.getuid()}_0_{daemon.proc.pid}") for n in os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("quant_algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_padded_layers_keep_logical_width(quant_algo, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # gate_up = 2 * 36 = 72 and lm_head = 100 rows: both need padding to a multiple of 16
+    write_checkpoint(ckpt, family="qwen2", hidden_size=64, intermediate_size=36, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=100, quant_algo=quant_algo)
+    ordinary = load(ckpt, dtype="float32")
+    gate_up = ordinary.layers[0].mlp.gate_up
+    assert gate_up.weight.shape[0] == 80 and gate_up.logical_out == 72  # the case under test really pads
+    daemon = DaemonProcess(ckpt, tmp_path / "sock")
+    try:
+        attached = load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+    finally:
+        daemon.stop()
+    layer = attached.layers[0].mlp.gate_up
+    assert (layer.weight.shape[0], layer.logical_out, layer.shard_sizes) == (80, 72, (36, 36))
+    assert layer.weight_scale == gate_up.weight_scale and layer.input_scale == gate_up.input_scale
+    assert attached.lm_head.out_features == ordinary.lm_head.out_features == 100
+    _assert_same_arrays(attached, ordinary)
+    ids = np.array([[1, 5, 9, 33, 70]], np.int32)
+    out = np.asarray(attached(ids))
+    assert out.shape == (1, 5, 100)
+    assert np.array_equal(out, np.asarray(ordinary(ids)))
+
+
+def test_cli_status(fp8_daemon):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "modelopt_jax", "weight-cache", "status", "--socket-dir",
+                          fp8_daemon.dir], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["ok"] and status["pid"] == fp8_daemon.proc.pid and status["fingerprint"]["device"] == "host"
