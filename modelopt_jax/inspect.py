@@ -74,12 +74,14 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     schemes.update(outside)
 
     scale_ranges: dict[str, dict[str, Any]] = {}
+    scale_values: dict[str, np.ndarray] = {}  # every scale tensor, read once
     for kind in SCALE_KINDS:
         names = [n for n in tensors if n.endswith("." + kind)]
         values = []
         for n in names:
             try:
-                values.append(ckpt.tensors.read(n).astype(np.float32).ravel())
+                scale_values[n] = ckpt.tensors.read(n).astype(np.float32).ravel()
+                values.append(scale_values[n])
             except ModelOptJaxError as e:
                 warnings.append(str(e))
         if values:
@@ -93,9 +95,9 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     input_scales = collections.defaultdict(dict)
     for n in tensors:
         m = re.match(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.input_scale$", n)
-        if m:
+        if m and n in scale_values and scale_values[n].size:
             group = "qkv" if m.group(2) in ("q_proj", "k_proj", "v_proj") else "gate_up"
-            input_scales[(m.group(1), group)][m.group(2)] = float(ckpt.tensors.read(n).reshape(-1)[0])
+            input_scales[(m.group(1), group)][m.group(2)] = float(scale_values[n][0])
     for (parent, group), scales in sorted(input_scales.items()):
         if len(set(scales.values())) > 1:
             warnings.append(f"{parent} {group}: shards have different input scales {scales}; they will run "

@@ -25,7 +25,7 @@ from flax import nnx
 from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache
 from modelopt_jax.layers import Embedding, RMSNorm
-from modelopt_jax.ops.quantize import fake_quantize_static, quantize_static
+from modelopt_jax.ops.quantize import dequantize_static, fake_quantize_static, quantize_static
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 
 
@@ -97,12 +97,11 @@ class Attention(nnx.Module):
         rows = jnp.arange(x.shape[0])[:, None]
         k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
         v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
-        keys, values = k_cache, v_cache
         if scales is not None:
-            keys = (keys.astype(jnp.float32) * np.float32(scales[0])).astype(self.dtype)
-            values = (values.astype(jnp.float32) * np.float32(scales[1])).astype(self.dtype)
+            keys = dequantize_static(k_cache, scales[0], self.dtype)
+            values = dequantize_static(v_cache, scales[1], self.dtype)
         else:
-            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+            keys, values = k_cache.astype(self.dtype), v_cache.astype(self.dtype)
         mask = (jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
         return self.o_proj(causal_attention(q, keys, values, mask)), k_cache, v_cache
 

@@ -41,9 +41,18 @@ def quantize_per_token(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return x_q, scale[..., 0]
 
 
+def dequantize_static(codes: jnp.ndarray, scale: float, dtype) -> jnp.ndarray:
+    """``codes * scale`` in float32, cast to ``dtype`` (how an FP8 KV cache is read back)."""
+    return (codes.astype(jnp.float32) * np.float32(scale)).astype(dtype)
+
+
 def fake_quantize_static(x: jnp.ndarray, scale: float) -> jnp.ndarray:
-    """Round ``x`` to the FP8 grid of ``scale`` and back (used for FP8 KV cache values)."""
-    return (quantize_static(x, scale).astype(jnp.float32) * np.float32(scale)).astype(x.dtype)
+    """Round ``x`` to the FP8 grid of ``scale`` and back (used for FP8 KV cache values).
+
+    Exactly :func:`quantize_static` then :func:`dequantize_static`, the pair the cached path uses,
+    so cache-less and cached attention see the same key/value numbers.
+    """
+    return dequantize_static(quantize_static(x, scale), scale, x.dtype)
 
 
 def dequantize_blockwise(w_q: jnp.ndarray, block_scales: np.ndarray, block: int = 128) -> jnp.ndarray:

@@ -120,6 +120,15 @@ def _row_padding(shards: Sequence[ShardTensors]) -> int:
     return -sum(s.out_features for s in shards) % N_ALIGN
 
 
+def _fp8_linear(shards: Sequence[ShardTensors], pad: int, weight_scale, input_scale, *, dtype, backend,
+                out_dtype) -> Fp8Linear:
+    """One Fp8Linear over the fused, ``pad``-row padded shards (the scale already covers the pad)."""
+    sizes = [s.out_features for s in shards]
+    return Fp8Linear(_padded_weight(shards, pad), weight_scale=weight_scale, input_scale=input_scale,
+                     bias=_fused_bias(shards, pad), dtype=dtype, backend=backend, shard_sizes=sizes,
+                     out_dtype=out_dtype, logical_out=sum(sizes))
+
+
 def _padded_weight(shards: Sequence[ShardTensors], pad: int):
     weights = [s.weight for s in shards]
     if pad:
@@ -190,10 +199,8 @@ class Fp8PerTensor(LinearScheme):
         else:
             sizes = [s.out_features for s in shards] + [pad]
             weight_scale = StaticArray(np.repeat(np.asarray(scales + [1.0], np.float32), sizes))
-        return Fp8Linear(_padded_weight(shards, pad), weight_scale=weight_scale,
-                         input_scale=shards[0].input_scale, bias=_fused_bias(shards, pad), dtype=dtype,
-                         backend=backend, shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype,
-                         logical_out=sum(s.out_features for s in shards))
+        return _fp8_linear(shards, pad, weight_scale, shards[0].input_scale, dtype=dtype, backend=backend,
+                           out_dtype=out_dtype)
 
 
 class Fp8PerChannelPerToken(LinearScheme):
@@ -216,10 +223,8 @@ class Fp8PerChannelPerToken(LinearScheme):
     def build(self, shards, *, dtype, backend, out_dtype=None):
         pad = _row_padding(shards)
         scales = [s.weight_scale for s in shards] + ([np.ones(pad, np.float32)] if pad else [])
-        return Fp8Linear(_padded_weight(shards, pad), weight_scale=StaticArray(_concat(scales)), input_scale=None,
-                         bias=_fused_bias(shards, pad), dtype=dtype, backend=backend,
-                         shard_sizes=[s.out_features for s in shards], out_dtype=out_dtype,
-                         logical_out=sum(s.out_features for s in shards))
+        return _fp8_linear(shards, pad, StaticArray(_concat(scales)), None, dtype=dtype, backend=backend,
+                           out_dtype=out_dtype)
 
 
 class Fp8BlockWeightOnly(LinearScheme):
