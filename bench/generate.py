@@ -2,13 +2,15 @@
 
 Run on the H200 (not a test):
     python bench/generate.py [--preset llama3-8b] [--batches 1,8,64] [--prompt 128] [--new 256]
-                             [--prefill 2048] [--checkpoint DIR] [--json out.json]
+                             [--prefill 2048] [--checkpoint DIR [--tensor-parallel 1,2]] [--json out.json]
 
 Weights: by default random, made on the device in the exact module structure ``load`` builds for a
 per-tensor ModelOpt FP8 Llama-3 checkpoint (fused q/k/v and gate/up FP8 layers with static scales,
 bf16 embeddings / lm_head / norms) -- writing an 8 GB synthetic checkpoint to disk first measures
 the disk, not decoding. The bf16 model holds the same weights dequantized. ``--checkpoint DIR``
-loads a real (or ``modelopt_jax.synthetic``-written) checkpoint instead, bf16 peer omitted.
+loads a real (or ``modelopt_jax.synthetic``-written) checkpoint instead, bf16 peer omitted;
+with ``--tensor-parallel 1,2`` it is loaded once per size (TP=1 on one GPU, TP=2 split over two)
+and the sizes run side by side, with the speed-up of each over TP=1.
 Reports decode tokens/s per batch (prompt 128, 256 new tokens, greedy, KV cache donated), prefill
 tokens/s, compile times, peak GPU memory, ratios to bf16 and to the weight-bytes roofline
 (weight bytes read per decode step / 4.3 TB/s measured copy bandwidth).
@@ -103,10 +105,16 @@ class RandomModels:
 
 
 def weight_bytes(model) -> int:
+    """Weight bytes one device reads per decode step (its shards; one embedding row, not the table)."""
     from flax import nnx
 
+    if hasattr(model, "state"):  # TensorParallelModel: this device's shards, embedding replicated
+        leaves = jax.tree_util.tree_leaves(model.state)
+        per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves if hasattr(x, "addressable_shards"))
+        cfg = model.config
+        return per_device - cfg.vocab_size * cfg.hidden_size * jnp.dtype(model.dtype).itemsize
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)) if x is not None) - \
-        model.embed_tokens.table.nbytes  # one embedding row per token, not the table
+        model.embed_tokens.table.nbytes
 
 
 def bench_model(label, model, batches, prompt, new, prefill_len, max_len):
@@ -166,6 +174,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
     ap.add_argument("--checkpoint")
+    ap.add_argument("--tensor-parallel", default="1", help="with --checkpoint: TP sizes to compare, e.g. 1,2")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
@@ -177,7 +186,11 @@ def main():
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}, jax {jax.__version__}, GEMM backend auto", flush=True)
     if args.checkpoint:
-        models = {"fp8": modelopt_jax.load(args.checkpoint, dtype="bfloat16")}
+        from modelopt_jax.parallel import make_mesh
+
+        sizes = [int(n) for n in args.tensor_parallel.split(",")]
+        models = {("fp8" if sizes == [1] else f"tp{n}"): modelopt_jax.load(
+            args.checkpoint, dtype="bfloat16", mesh=make_mesh(n) if n > 1 else None) for n in sizes}
     else:
         fp8, bf16 = RandomModels(config_for(PRESETS[args.preset], max(max_len, args.prefill))).build()
         models = {"fp8": fp8, "bf16": bf16}
@@ -190,7 +203,17 @@ def main():
         print(f"{run['model']}: weights read per step {run['weight_bytes'] / 1e9:.2f} GB -> roofline "
               f"{roofline_ms:.2f} ms; batch 1 {run['batch1']['ms_per_step'] / roofline_ms:.2f}x roofline"
               if "batch1" in run else "", flush=True)
-    if len(report["runs"]) == 2:
+    tp_runs = [r for r in report["runs"] if r["model"].startswith("tp")]
+    if len(tp_runs) > 1:
+        base = tp_runs[0]
+        for run in tp_runs[1:]:
+            for key in [k for k in run if k.startswith("batch")]:
+                print(f"{key}: {run['model']} / {base['model']} tokens/s "
+                      f"{run[key]['tokens_per_s'] / base[key]['tokens_per_s']:.2f}x")
+            if "prefill_tokens_per_s" in run:
+                print(f"prefill: {run['model']} / {base['model']} "
+                      f"{run['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.2f}x")
+    elif len(report["runs"]) == 2:
         f, b = report["runs"]
         for key in [k for k in f if k.startswith("batch")]:
             print(f"{key}: fp8 / bf16 decode speed {f[key]['tokens_per_s'] / b[key]['tokens_per_s']:.2f}x")

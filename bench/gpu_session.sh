@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
-#   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...]
+#   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...] [wc-tests] [tp-tests]
+#                             [attach CKPT_DIR] [tp-bench CKPT_DIR]
+# attach / tp-bench write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first if absent.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
@@ -31,6 +33,18 @@ print('memcheck sample done')
       python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done
       python3 bench/gemm.py --json "$OUT/bench.json" "${args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
+    wc-tests) shift
+      python3 -m pytest -q -p no:cacheprovider -s tests/test_weight_cache.py tests/test_weight_cache_gpu.py \
+        tests/test_dlpack_view.py 2>&1 | tee "$OUT/wc_tests.log" | tail -25 ;;
+    tp-tests) shift
+      python3 -m pytest -q -p no:cacheprovider -s tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp_tests.log" | tail -25 ;;
+    attach) ckpt=$2; shift 2
+      python3 bench/weight_cache_attach.py --checkpoint "$ckpt" --write-preset llama3-8b --json "$OUT/attach.json" \
+        2>&1 | tee "$OUT/attach.log" | tail -20 ;;
+    tp-bench) ckpt=$2; shift 2
+      [ -f "$ckpt/config.json" ] || python3 -c "from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30)"
+      python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
+        --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

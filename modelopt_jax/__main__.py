@@ -51,13 +51,18 @@ def _weight_cache(args) -> int:
     import logging
 
     if args.wc_command == "serve":
+        import os
+
+        # Give processing memory back to the driver once the cache is built (the default BFC pool
+        # would keep it, and preallocating 75% would starve the clients on the same GPU).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
         from modelopt_jax.weight_cache.daemon import serve
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
         def ready(daemon):
-            print(f"serving {daemon.model_path} on {daemon.socket_path} ({daemon.nbytes} bytes in shared memory "
-                  f"{daemon.shm.name})", flush=True)
+            print(f"serving {daemon.model_path} on {daemon.socket_path} ({daemon.nbytes} bytes in {daemon.where})",
+                  flush=True)
 
         serve(args.model, device=args.device, socket_dir=args.socket_dir, dtype=args.dtype, backend=args.backend,
               ready=ready)
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=_generate)
-    w = sub.add_parser("weight-cache", help="weight-cache daemon (host mode): serve, status, stop")
+    w = sub.add_parser("weight-cache", help="weight-cache daemon: serve, status, stop")
     wsub = w.add_subparsers(dest="wc_command", required=True)
     ws = wsub.add_parser("serve", help="load and process a checkpoint once and serve it to other processes")
     ws.add_argument("--model", required=True)

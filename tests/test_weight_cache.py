@@ -1,7 +1,9 @@
-"""Weight-cache daemon, host mode: a daemon subprocess serves processed buffers over shared memory.
+"""Weight-cache daemon: a daemon subprocess serves processed buffers; clients attach zero-copy.
 
 Every test runs the real daemon (``python -m modelopt_jax weight-cache serve``) with a private
 socket directory, and compares against an ordinary load: same greedy tokens, bit-identical arrays.
+On a CPU machine (CI) this is host mode (POSIX shared memory); run on a CUDA GPU, the same tests
+exercise CUDA IPC mode (one daemon-owned device allocation, DLPack views in the client).
 """
 
 from __future__ import annotations
@@ -88,6 +90,29 @@ def _leaves(model):
     return jax.tree_util.tree_leaves(nnx.state(model))
 
 
+def _store_range(model) -> tuple[int, int]:
+    """[base, base + size) of the daemon's store as mapped in this process."""
+    if model.weight_cache_mapping is not None:  # cuda store
+        return model.weight_cache_mapping.base, model.weight_cache_mapping.views.nbytes
+    shm = model.weight_cache_shm
+    return np.frombuffer(shm.buf, np.uint8).ctypes.data, shm.size
+
+
+def _store_offsets(model) -> list[int]:
+    """Every array's offset inside the daemon's store; asserts each one lies inside it (zero-copy)."""
+    base, size = _store_range(model)
+    offsets = []
+    for leaf in _leaves(model):
+        ptr = leaf.unsafe_buffer_pointer()
+        assert base <= ptr and ptr + leaf.nbytes <= base + size
+        offsets.append(ptr - base)
+    return offsets
+
+
+def _device_label() -> str:
+    return "host" if jax.default_backend() != "gpu" else "GPU-"
+
+
 def _assert_same_arrays(a, b):
     la, lb = _leaves(a), _leaves(b)
     assert len(la) == len(lb)
@@ -130,11 +155,7 @@ def test_greedy_identical_ordinary_fallback_attach(name, tmp_path, fp8_daemon):
             assert llm.model.weight_cache_source == "daemon"
             assert _outputs(llm) == reference
             _assert_same_arrays(llm.model, ordinary)
-            # zero-copy: the device buffers are the shared-memory pages
-            shm = llm.model.weight_cache_shm
-            base = np.frombuffer(shm.buf, np.uint8).ctypes.data
-            for leaf in _leaves(llm.model):
-                assert base <= leaf.unsafe_buffer_pointer() < base + shm.size
+            _store_offsets(llm.model)  # zero-copy: the device buffers are the daemon's store
     finally:
         if daemon is not fp8_daemon:
             daemon.stop()
@@ -329,27 +350,47 @@ def test_require_waits_for_a_loading_daemon(tmp_path):
     assert not any(n.startswith(f"mojwc_{os.getuid()}_0_{daemon.proc.pid}") for n in os.listdir("/dev/shm"))
 
 
+def _scales_equal(a, b) -> bool:
+    if hasattr(a, "array") or hasattr(b, "array"):  # StaticArray per-channel vectors
+        return np.array_equal(np.asarray(a.array), np.asarray(b.array))
+    return a == b
+
+
 @pytest.mark.parametrize("quant_algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
-def test_padded_layers_keep_logical_width(quant_algo, tmp_path):
+@pytest.mark.parametrize("intermediate", [36, 48], ids=["padded", "aligned"])
+def test_fused_layers_attached_twice(quant_algo, intermediate, tmp_path):
+    """Fused q/k/v and gate/up, per-tensor and per-channel scales, aligned and padded widths."""
     ckpt = tmp_path / "ckpt"
-    # gate_up = 2 * 36 = 72 and lm_head = 100 rows: both need padding to a multiple of 16
-    write_checkpoint(ckpt, family="qwen2", hidden_size=64, intermediate_size=36, num_hidden_layers=2,
+    # gate_up = 2 * 36 = 72 (pads to 80) or 2 * 48 = 96 (aligned); q/k/v = 64 + 32 + 32 = 128;
+    # lm_head = 100 rows pads to 112
+    write_checkpoint(ckpt, family="qwen2", hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100, quant_algo=quant_algo)
     ordinary = load(ckpt, dtype="float32")
-    gate_up = ordinary.layers[0].mlp.gate_up
-    assert gate_up.weight.shape[0] == 80 and gate_up.logical_out == 72  # the case under test really pads
+    padded = -(-2 * intermediate // 16) * 16
+    assert ordinary.layers[0].mlp.gate_up.weight.shape[0] == padded  # the case under test really (un)pads
     daemon = DaemonProcess(ckpt, tmp_path / "sock")
     try:
-        attached = load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+        attached = [load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+                    for _ in range(2)]
     finally:
         daemon.stop()
-    layer = attached.layers[0].mlp.gate_up
-    assert (layer.weight.shape[0], layer.logical_out, layer.shard_sizes) == (80, 72, (36, 36))
-    assert layer.weight_scale == gate_up.weight_scale and layer.input_scale == gate_up.input_scale
-    assert attached.lm_head.out_features == ordinary.lm_head.out_features == 100
-    _assert_same_arrays(attached, ordinary)
+    x = jax.random.normal(jax.random.key(intermediate), (3, 64), np.float32)
+    for model in attached:
+        assert model.weight_cache_source == "daemon"
+        _assert_same_arrays(model, ordinary)  # bit-identical: nothing re-transposed, re-quantized or re-padded
+        for name in ("qkv", "gate_up"):
+            want = ordinary.layers[0].self_attn.qkv if name == "qkv" else ordinary.layers[0].mlp.gate_up
+            got = model.layers[0].self_attn.qkv if name == "qkv" else model.layers[0].mlp.gate_up
+            assert (got.weight.shape, got.logical_out, tuple(got.shard_sizes)) == \
+                (want.weight.shape, want.logical_out, tuple(want.shard_sizes))
+            assert _scales_equal(got.weight_scale, want.weight_scale)
+            assert _scales_equal(got.input_scale, want.input_scale)
+            assert np.array_equal(np.asarray(got(x)), np.asarray(want(x)))
+        assert model.lm_head.out_features == 100
+    # both attachments view the same bytes of the daemon's store (same offsets, same store)
+    assert _store_offsets(attached[0]) == _store_offsets(attached[1])
     ids = np.array([[1, 5, 9, 33, 70]], np.int32)
-    out = np.asarray(attached(ids))
+    out = np.asarray(attached[1](ids))
     assert out.shape == (1, 5, 100)
     assert np.array_equal(out, np.asarray(ordinary(ids)))
 
@@ -361,4 +402,6 @@ def test_cli_status(fp8_daemon):
                           fp8_daemon.dir], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
-    assert status["ok"] and status["pid"] == fp8_daemon.proc.pid and status["fingerprint"]["device"] == "host"
+    assert status["ok"] and status["pid"] == fp8_daemon.proc.pid
+    assert status["fingerprint"]["device"].startswith(_device_label())
+    assert status["store"] == ("cuda" if jax.default_backend() == "gpu" else "host")

@@ -5,7 +5,8 @@ this exact fingerprint, else loads from disk and logs why. ``require`` attaches 
 :class:`WeightCacheError`; while a daemon is still loading (its pid is in the lock file but the
 socket is not open yet) it waits up to ``timeout`` seconds. The attached model is built by the
 family's ordinary builder over a :class:`~.layout.ReplaySource`: device arrays are zero-copy
-views of the daemon's shared memory, static scales are compiled in as constants as usual.
+views of the daemon's store (its CUDA allocation mapped over IPC on a GPU, its shared memory
+elsewhere), static scales are compiled in as constants as usual.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import jax
 
 from modelopt_jax.errors import WeightCacheError
-from modelopt_jax.weight_cache import MODES, fingerprint, host_store, paths, protocol
+from modelopt_jax.weight_cache import MODES, fingerprint, host_store, paths, placement, protocol
 from modelopt_jax.weight_cache.layout import ReplaySource, check_supported
 
 log = logging.getLogger(__name__)
@@ -73,19 +74,32 @@ def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode:
 
     ckpt = ckpt or Checkpoint.open(path)
     check_supported(ckpt.quant_config)
-    fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device="host")
+    where = placement.resolve(device)
+    fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device=where.label)
     reply = _attach_reply(fp, socket_dir=socket_dir, device=device, mode=mode, timeout=timeout)
+    shm = mapping = None
     try:
-        shm, views = host_store.attach(reply["shm_name"], reply["index"])
-        arrays = {k: jax.device_put(v) for k, v in views.items()}  # 64-byte aligned: adopted, not copied
+        if reply.get("store", "host") != where.store:
+            raise WeightCacheError(f"weight-cache daemon keeps a {reply.get('store')!r} store; this process needs "
+                                   f"{where.store!r}")
+        if where.store == "cuda":
+            from modelopt_jax.weight_cache import cuda_store
+
+            mapping, arrays = cuda_store.attach(reply["ipc_handle"], reply["alloc_bytes"], reply["index"],
+                                                where.ordinal)
+        else:
+            shm, views = host_store.attach(reply["shm_name"], reply["index"])
+            arrays = {k: jax.device_put(v) for k, v in views.items()}  # 64-byte aligned: adopted, not copied
         source = ReplaySource(reply["layout"], arrays)
-        model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
+        with where.default_device():
+            model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
         source.finish()
     except (KeyError, TypeError, ValueError) as e:
         raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
     model.quant_config = ckpt.quant_config
     model.checkpoint_dir = ckpt.directory
-    model.weight_cache_shm = shm  # the mapping must outlive the arrays that view it
+    model.weight_cache_shm = shm  # host store: the mapping must outlive the arrays that view it
+    model.weight_cache_mapping = mapping  # cuda store: the IPC mapping, closed once no array views it
     model.weight_cache_source = "daemon"
     return model
 

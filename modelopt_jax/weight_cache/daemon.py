@@ -1,16 +1,20 @@
-"""The weight-cache daemon (host mode): one per device, serving one processed checkpoint.
+"""The weight-cache daemon: one per device, serving one processed checkpoint.
 
 Order of events, and why: take the per-device lock (fcntl.flock, so exactly one daemon per
 device and the lock dies with the process), write our pid into it (clients use it to tell "still
 loading" from "absent"), check the scheme is shareable (before any slow work), load and process
-exactly as :func:`modelopt_jax.load` does while recording the layout, copy the arrays into shared
-memory, and only then bind the socket -- so a socket that exists always serves a complete cache.
+exactly as :func:`modelopt_jax.load` does while recording the layout, copy the arrays into the
+store (one CUDA allocation exported over IPC on a GPU, POSIX shared memory elsewhere; see
+:mod:`.placement`), and only then bind the socket -- so a socket that exists always serves a
+complete cache.
 Each connection gets a thread; peers are checked with SO_PEERCRED; a bad message or a crashed
-client only ends that connection. ``stop`` (or SIGTERM/SIGINT) unlinks segment, socket and lock.
+client only ends that connection. ``stop`` (or SIGTERM/SIGINT) frees the store and removes socket
+and lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -21,7 +25,7 @@ import threading
 import time
 
 from modelopt_jax.errors import WeightCacheError, WeightCacheProtocolError
-from modelopt_jax.weight_cache import fingerprint, host_store, paths, protocol
+from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
 from modelopt_jax.weight_cache.layout import RecordingSource, check_supported
 
 log = logging.getLogger(__name__)
@@ -36,10 +40,9 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def process(path, *, dtype, backend: str):
-    """Loads ``path`` exactly like :func:`modelopt_jax.load` and records the builder's calls.
-
-    Returns (checkpoint, model, recording source).
+def process(path, *, dtype, backend: str, where: placement.Placement | None = None):
+    """Loads ``path`` exactly like :func:`modelopt_jax.load` (on ``where``'s device) and records the
+    builder's calls. Returns (checkpoint, model, recording source).
     """
     from modelopt_jax.checkpoint import Checkpoint
     from modelopt_jax.loader import CheckpointWeights, _check_leftovers
@@ -48,7 +51,8 @@ def process(path, *, dtype, backend: str):
     ckpt = Checkpoint.open(path)
     check_supported(ckpt.quant_config)
     source = RecordingSource(CheckpointWeights(ckpt, dtype=dtype, backend=backend))
-    model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
+    with (where.default_device() if where is not None else contextlib.nullcontext()):
+        model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
     _check_leftovers(ckpt)
     return ckpt, model, source
 
@@ -96,7 +100,8 @@ class Daemon:
         self.allowed_uid = int(os.environ.get(ENV_ALLOWED_UID, os.getuid()))
         self.stop_event = threading.Event()
         self.lock_fd = None
-        self.shm = None
+        self.shm = None   # host store
+        self.slab = None  # cuda store
         self.listener = None
         self.attaches = 0
         self.started = time.time()
@@ -122,17 +127,31 @@ class Daemon:
         if os.path.exists(self.socket_path):  # left by a killed daemon: we hold the lock, so it is stale
             os.unlink(self.socket_path)
         check_supported(Checkpoint.open(self.model_path, check_quantization=False).quant_config)
-        _remove_dead_segments(self.device)
+        self.placement = placement.resolve(self.device)
+        if self.placement.store == "host":
+            _remove_dead_segments(self.device)
         t0 = time.perf_counter()
-        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend)
-        self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend, device="host")
+        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend, where=self.placement)
+        self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend,
+                                               device=self.placement.label)
         self.family = ckpt.model_config.family
         self.layout = source.calls
-        self.shm, self.index = host_store.create(source.arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
+        if self.placement.store == "cuda":
+            from modelopt_jax.weight_cache import cuda_store
+
+            self.slab, self.index = cuda_store.create(source.arrays, self.placement.ordinal)
+            self.store_fields = {"store": "cuda", "ipc_handle": self.slab.handle.hex(), "alloc_bytes": self.slab.nbytes,
+                                 "ordinal": self.placement.ordinal}
+            where = f"CUDA allocation on {self.placement.label} (ordinal {self.placement.ordinal})"
+        else:
+            self.shm, self.index = host_store.create(source.arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
+            self.store_fields = {"store": "host", "shm_name": self.shm.name}
+            where = f"shared memory {self.shm.name}"
         self.nbytes = sum(e["nbytes"] for e in self.index.values())
-        del model, source  # the segment is the cache now
-        log.info("processed %s in %.1f s: %d arrays, %d bytes in shared memory %s", self.model_path,
-                 time.perf_counter() - t0, len(self.index), self.nbytes, self.shm.name)
+        del model, source  # the store is the cache now
+        self.where = where
+        log.info("processed %s in %.1f s: %d arrays, %d bytes in %s", self.model_path,
+                 time.perf_counter() - t0, len(self.index), self.nbytes, where)
 
     def listen(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,6 +191,9 @@ class Daemon:
         if self.shm is not None:
             host_store.destroy(self.shm)
             self.shm = None
+        if self.slab is not None:
+            self.slab.free()
+            self.slab = None
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # releases the flock
             self.lock_fd = None
@@ -207,7 +229,7 @@ class Daemon:
 
     def _status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "model": self.model_path, "device": self.device,
-                "family": self.family, "fingerprint": self.fingerprint, "shm_name": self.shm.name,
+                "family": self.family, "fingerprint": self.fingerprint, **self.store_fields,
                 "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
                 "uptime_s": time.time() - self.started}
 
@@ -223,7 +245,7 @@ class Daemon:
             if mismatch:
                 return {"ok": False, "error": f"fingerprint mismatch in {', '.join(mismatch)}", "mismatch": mismatch}
             self.attaches += 1
-            return {"ok": True, "shm_name": self.shm.name, "family": self.family, "layout": self.layout,
+            return {"ok": True, **self.store_fields, "family": self.family, "layout": self.layout,
                     "index": self.index, "fingerprint": self.fingerprint}
         return {"ok": False, "error": f"unknown op {op!r}; expected attach, status or stop"}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from multiprocessing import resource_tracker, shared_memory
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,8 +24,9 @@ def _align(n: int) -> int:
     return -(-n // HOST_ALIGNMENT) * HOST_ALIGNMENT
 
 
-def create(arrays: dict[str, np.ndarray], name: str) -> tuple[shared_memory.SharedMemory, dict]:
+def create(arrays: dict, name: str) -> tuple[shared_memory.SharedMemory, dict]:
     """Copies ``arrays`` into a new segment; returns it and the index {name: {offset, dtype, shape}}."""
+    arrays = {k: np.asarray(jax.device_get(a)) for k, a in arrays.items()}
     index, offset = {}, 0
     for key, a in arrays.items():
         index[key] = {"offset": offset, "dtype": a.dtype.name, "shape": list(a.shape), "nbytes": int(a.nbytes)}

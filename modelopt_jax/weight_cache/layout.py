@@ -50,16 +50,12 @@ def _scale_from_json(value) -> Any:
     return value
 
 
-def _array(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
-
-
-def describe(module: nnx.Module, arrays: dict[str, np.ndarray], key: str) -> dict:
+def describe(module: nnx.Module, arrays: dict[str, jax.Array], key: str) -> dict:
     """JSON description of ``module``; its array leaves go into ``arrays`` under ``key``-derived names."""
     def put(name, param):
         if param is None:
             return None
-        arrays[f"{key}.{name}"] = _array(param[...])
+        arrays[f"{key}.{name}"] = param[...]  # as processed, on its device; the store copies it
         return f"{key}.{name}"
 
     if isinstance(module, ConcatLinear):
@@ -120,7 +116,7 @@ class RecordingSource:
     def __init__(self, inner):
         self.inner = inner
         self.calls: list[dict] = []
-        self.arrays: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, jax.Array] = {}
 
     def _key(self) -> str:
         return str(len(self.calls))
