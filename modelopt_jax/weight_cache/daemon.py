@@ -148,6 +148,13 @@ class Daemon:
             self.store_fields = {"store": "host", "shm_name": self.shm.name}
             where = f"shared memory {self.shm.name}"
         self.nbytes = sum(e["nbytes"] for e in self.index.values())
+        # Encoded once: the layout is the bulk of every attach reply and never changes.
+        self.attach_reply = protocol.encode({"ok": True, **self.store_fields, "family": self.family,
+                                             "layout": self.layout, "index": self.index,
+                                             "fingerprint": self.fingerprint})
+        if len(self.attach_reply) > protocol.MAX_REPLY:
+            raise WeightCacheError(f"the layout of {self.model_path} encodes to {len(self.attach_reply)} bytes, over "
+                                   f"the protocol's {protocol.MAX_REPLY}-byte reply limit")
         del model, source  # the store is the cache now
         self.where = where
         log.info("processed %s in %.1f s: %d arrays, %d bytes in %s", self.model_path,
@@ -233,7 +240,7 @@ class Daemon:
                 "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
                 "uptime_s": time.time() - self.started}
 
-    def _reply(self, request: dict) -> dict:
+    def _reply(self, request: dict) -> dict | bytes:
         op = request.get("op")
         if op == "status":
             return self._status()
@@ -245,8 +252,7 @@ class Daemon:
             if mismatch:
                 return {"ok": False, "error": f"fingerprint mismatch in {', '.join(mismatch)}", "mismatch": mismatch}
             self.attaches += 1
-            return {"ok": True, **self.store_fields, "family": self.family, "layout": self.layout,
-                    "index": self.index, "fingerprint": self.fingerprint}
+            return self.attach_reply
         return {"ok": False, "error": f"unknown op {op!r}; expected attach, status or stop"}
 
 

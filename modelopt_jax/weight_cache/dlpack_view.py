@@ -53,13 +53,13 @@ class _DLManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# A private prototype: ctypes.pythonapi.PyCapsule_New is shared, and other libraries set its argtypes.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
 
 _KEEP_FOREVER: list = []  # see the module docstring: XLA may touch these after Python is gone
 _KEEP_LOCK = threading.Lock()
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEEP_FOREVER))  # survives the clearing of module globals at exit
+ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))(_KEEP_FOREVER)  # survives the clearing of module globals at exit
 
 
 def _native_lib() -> ctypes.CDLL:

@@ -16,7 +16,7 @@ import os
 from modelopt_jax.checkpoint import Checkpoint
 
 # Bump whenever the processed form of any array changes (fusing, padding, scale layout, ...).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: static scale vectors travel as base64 bytes
 
 
 def _h(data: bytes) -> str:

@@ -12,6 +12,7 @@ constructors only store what they are given.
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import jax
@@ -37,8 +38,10 @@ def check_supported(quant_config) -> None:
 def _scale_to_json(value) -> Any:
     if value is None or isinstance(value, float):
         return value
-    if isinstance(value, StaticArray):
-        return {"static_array": value.array.tolist(), "dtype": value.dtype.name, "shape": list(value.shape)}
+    if isinstance(value, StaticArray):  # raw bytes, base64: a per-channel vector of a 70B model is
+        # millions of floats, which as JSON numbers would dominate the attach time
+        return {"static_array_b64": base64.b64encode(np.ascontiguousarray(value.array).tobytes()).decode("ascii"),
+                "dtype": value.dtype.name, "shape": list(value.shape)}
     if isinstance(value, (int, np.floating)):
         return float(value)
     raise UnsupportedForWeightCacheError(f"weight scale of type {type(value).__name__} cannot be shared")
@@ -46,7 +49,8 @@ def _scale_to_json(value) -> Any:
 
 def _scale_from_json(value) -> Any:
     if isinstance(value, dict):
-        return StaticArray(np.asarray(value["static_array"], dtype=np.dtype(value["dtype"])).reshape(value["shape"]))
+        raw = base64.b64decode(value["static_array_b64"], validate=True)
+        return StaticArray(np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]))
     return value
 
 

@@ -24,9 +24,10 @@ def encode(obj: dict) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def send(sock: socket.socket, obj: dict) -> None:
+def send(sock: socket.socket, obj: dict | bytes) -> None:
+    """Sends ``obj``, or an already :func:`encode`-d message (the daemon encodes its layout once)."""
     try:
-        sock.sendall(encode(obj))
+        sock.sendall(obj if isinstance(obj, bytes) else encode(obj))
     except OSError as e:
         raise WeightCacheProtocolError(f"cannot send weight-cache message: {e}") from e
 
