@@ -65,7 +65,7 @@ def _weight_cache(args) -> int:
                   flush=True)
 
         serve(args.model, device=args.device, socket_dir=args.socket_dir, dtype=args.dtype, backend=args.backend,
-              ready=ready)
+              tensor_parallel=args.tensor_parallel, ready=ready)
         return 0
     from modelopt_jax.weight_cache.client import request
 
@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     ws.add_argument("--model", required=True)
     ws.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ws.add_argument("--backend", default="auto")
+    ws.add_argument("--tensor-parallel", type=int, default=1,
+                    help="serve shard DEVICE of a split over this many GPUs (one daemon per GPU; clients use "
+                         "LLM(..., tensor_parallel_size=N, weight_cache=...))")
     for q in (ws, wsub.add_parser("status", help="describe the daemon serving a device"),
               wsub.add_parser("stop", help="stop the daemon serving a device")):
         q.add_argument("--device", type=int, default=0)

@@ -124,19 +124,19 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", me
     processed buffers instead of reading the checkpoint (see :mod:`modelopt_jax.weight_cache`);
     ``weight_cache_dir`` is its socket directory (default: $MODELOPT_JAX_WEIGHT_CACHE_DIR or a
     per-user directory), ``weight_cache_timeout`` how long "require" waits for a daemon still loading.
+    With ``mesh`` it attaches to one daemon per mesh device (``weight-cache serve --device i
+    --tensor-parallel N``), each serving that device's shard.
     """
     from modelopt_jax.models import FAMILIES
 
     dtype = resolve_dtype(dtype)
     check_backend(backend)
     if weight_cache not in ("off", None, False):
-        if mesh is not None:
-            raise ConfigError("weight_cache cannot be combined with tensor parallelism (mesh); use weight_cache='off'")
         from modelopt_jax.weight_cache.client import load_with_cache
 
         return load_with_cache(path, dtype=dtype, backend=backend, mode=weight_cache, socket_dir=weight_cache_dir,
-                               device=weight_cache_device, timeout=weight_cache_timeout,
-                               ordinary_load=lambda: load(path, dtype=dtype, backend=backend))
+                               device=weight_cache_device, timeout=weight_cache_timeout, mesh=mesh,
+                               ordinary_load=lambda: load(path, dtype=dtype, backend=backend, mesh=mesh))
     ckpt = Checkpoint.open(path)
     log.info("loading %s (%s, quant_algo=%s, kv=%s) as %s", ckpt.directory, ckpt.model_config.architecture,
              ckpt.quant_config.quant_algo, ckpt.quant_config.kv_cache_quant_algo, dtype)

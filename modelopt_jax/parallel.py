@@ -104,6 +104,67 @@ def _linears(module) -> list:
     return list(module.parts) if isinstance(module, ConcatLinear) else [module]
 
 
+def _read_full(inner, prefixes, in_features, out_features, bias, kind: str, tp: int):
+    """The whole checkpoint tensors of a split layer (the builder asked with per-device sizes)."""
+    scheme = inner.scheme_for(prefixes)
+    if kind == "column":
+        shards = [scheme.read(inner.ckpt, p, n * tp, in_features, bias) for p, n in zip(prefixes, out_features)]
+    else:
+        shards = [scheme.read(inner.ckpt, p, n, in_features * tp, bias) for p, n in zip(prefixes, out_features)]
+    return scheme, shards
+
+
+def _build_rank(inner, scheme, shards, kind: str, rank: int, tp: int, device, out_dtype):
+    """Device ``rank``'s part of a split layer, built by the single-device code and placed on ``device``."""
+    axis = 0 if kind == "column" else 1
+    # Per-channel scales of a column-parallel layer differ per device: they cannot be one
+    # compile-time constant and become sharded device data. Decided from the scheme, not from
+    # the values, so every host of a multi-host mesh builds the same program.
+    vector_scales = kind == "column" and any(s.weight_scale is not None and s.weight_scale.ndim == 1 for s in shards)
+    with jax.default_device(device):
+        module = scheme.build([_slice_shard(s, rank, tp, axis) for s in shards], dtype=inner.dtype,
+                              backend=inner.backend, out_dtype=out_dtype)
+        for layer in _linears(module):
+            if kind == "row":
+                layer.reduce_axis = AXIS
+            if vector_scales and isinstance(layer, Fp8Linear) and isinstance(layer.weight_scale, StaticArray):
+                vector = ScaleVector(jax.device_put(layer.weight_scale.array, device))
+                # the attribute started out static (a constant); mark it as data now
+                layer.weight_scale = nnx.data(vector) if hasattr(nnx, "data") else vector
+    return module
+
+
+def stitch(modules: Sequence[nnx.Module], kind: str, mesh: Mesh) -> nnx.Module:
+    """Per-device modules (one per local mesh device, in mesh order) -> one module of global arrays.
+
+    ``kind`` "column"/"row" shards weights along N/K; "replicated" makes every leaf a replicated
+    global array. No data moves: each device's arrays become that device's shard.
+    """
+    tp = mesh.devices.size
+    split = [nnx.split(m) for m in modules]
+    graphdef = split[0][0]
+    if any(g != graphdef for g, _ in split[1:]):
+        raise ConfigError("tensor-parallel shards of a layer differ in static structure (scales); "
+                          "this checkpoint cannot be split evenly")
+    leaves = [jax.tree_util.tree_leaves(s) for _, s in split]
+    treedef = jax.tree_util.tree_structure(split[0][1])
+    out = []
+    for per_device in zip(*leaves):
+        local = per_device[0]
+        if kind != "replicated" and (kind == "column" or local.ndim == 2):
+            axis = 0 if kind == "column" else 1
+            spec = [None] * local.ndim
+            spec[axis] = AXIS
+            shape = list(local.shape)
+            shape[axis] *= tp
+            out.append(jax.make_array_from_single_device_arrays(
+                tuple(shape), NamedSharding(mesh, P(*spec)), list(per_device)))
+        else:  # replicated modules, row-parallel bias / output-channel scales: identical on every device
+            out.append(jax.make_array_from_single_device_arrays(
+                local.shape, NamedSharding(mesh, P()), list(per_device)))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, out))
+
+
 class ShardedWeights:
     """A model WeightSource (see models/llama.py) that builds each layer split over ``mesh``.
 
@@ -128,57 +189,10 @@ class ShardedWeights:
         kind = _kind(prefixes)
         if kind == "replicated":
             return self._replicate(self.inner.linear(prefixes, in_features, out_features, bias, out_dtype=out_dtype))
-        tp, ckpt = self.tp, self.inner.ckpt
-        scheme = self.inner.scheme_for(prefixes)
-        if kind == "column":
-            shards = [scheme.read(ckpt, p, n * tp, in_features, bias) for p, n in zip(prefixes, out_features)]
-        else:
-            shards = [scheme.read(ckpt, p, n, in_features * tp, bias) for p, n in zip(prefixes, out_features)]
-        axis = 0 if kind == "column" else 1
-        # Per-channel scales of a column-parallel layer differ per device: they cannot be one
-        # compile-time constant and become sharded device data. Decided from the scheme, not from
-        # the values, so every host of a multi-host mesh builds the same program.
-        vector_scales = kind == "column" and any(s.weight_scale is not None and s.weight_scale.ndim == 1
-                                                 for s in shards)
-        modules = []
-        for i, device in self.local_devices:
-            with jax.default_device(device):
-                module = scheme.build([_slice_shard(s, i, tp, axis) for s in shards], dtype=self.inner.dtype,
-                                      backend=self.inner.backend, out_dtype=out_dtype)
-                for layer in _linears(module):
-                    if kind == "row":
-                        layer.reduce_axis = AXIS
-                    if vector_scales and isinstance(layer, Fp8Linear) and isinstance(layer.weight_scale, StaticArray):
-                        vector = ScaleVector(jax.device_put(layer.weight_scale.array, device))
-                        # the attribute started out static (a constant); mark it as data now
-                        layer.weight_scale = nnx.data(vector) if hasattr(nnx, "data") else vector
-            modules.append(module)
-        return self._stitch(modules, kind)
-
-    def _stitch(self, modules, kind):
-        """Per-device modules -> one module whose arrays are global, sharded over the mesh."""
-        split = [nnx.split(m) for m in modules]
-        graphdef = split[0][0]
-        if any(g != graphdef for g, _ in split[1:]):
-            raise ConfigError("tensor-parallel shards of a layer differ in static structure (scales); "
-                              "this checkpoint cannot be split evenly")
-        leaves = [jax.tree_util.tree_leaves(s) for _, s in split]
-        treedef = jax.tree_util.tree_structure(split[0][1])
-        out = []
-        for per_device in zip(*leaves):
-            local = per_device[0]
-            if kind == "column" or local.ndim == 2:
-                axis = 0 if kind == "column" else 1
-                spec = [None] * local.ndim
-                spec[axis] = AXIS
-                shape = list(local.shape)
-                shape[axis] *= self.tp
-                out.append(jax.make_array_from_single_device_arrays(
-                    tuple(shape), NamedSharding(self.mesh, P(*spec)), list(per_device)))
-            else:  # row-parallel bias / output-channel scales: identical on every device
-                out.append(jax.make_array_from_single_device_arrays(
-                    local.shape, NamedSharding(self.mesh, P()), list(per_device)))
-        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, out))
+        scheme, shards = _read_full(self.inner, prefixes, in_features, out_features, bias, kind, self.tp)
+        modules = [_build_rank(self.inner, scheme, shards, kind, i, self.tp, device, out_dtype)
+                   for i, device in self.local_devices]
+        return stitch(modules, kind, self.mesh)
 
     def embedding(self, name, vocab, hidden):
         return self._replicate(self.inner.embedding(name, vocab, hidden))
@@ -191,6 +205,71 @@ class ShardedWeights:
 
     def tied_lm_head_ignored(self, name):
         return self.inner.tied_lm_head_ignored(name)
+
+
+class RankWeights:
+    """The WeightSource of one tensor-parallel rank: exactly the modules :class:`ShardedWeights`
+    builds for device ``rank`` (split layers sliced, replicated ones whole), on ``device``, not
+    stitched. A weight-cache daemon serving one GPU of a TP mesh builds its cache with this.
+    """
+
+    def __init__(self, inner, tp: int, rank: int, device):
+        if not 0 <= rank < tp:
+            raise ConfigError(f"rank {rank} is not in a tensor-parallel group of size {tp}")
+        self.inner, self.tp, self.rank, self.device = inner, tp, rank, device
+
+    def linear(self, prefixes, in_features, out_features, bias, *, out_dtype=None):
+        kind = _kind(prefixes)
+        if kind == "replicated":
+            with jax.default_device(self.device):
+                return self.inner.linear(prefixes, in_features, out_features, bias, out_dtype=out_dtype)
+        scheme, shards = _read_full(self.inner, prefixes, in_features, out_features, bias, kind, self.tp)
+        return _build_rank(self.inner, scheme, shards, kind, self.rank, self.tp, self.device, out_dtype)
+
+    def embedding(self, name, vocab, hidden):
+        with jax.default_device(self.device):
+            return self.inner.embedding(name, vocab, hidden)
+
+    def norm(self, name, size, eps):
+        with jax.default_device(self.device):
+            return self.inner.norm(name, size, eps)
+
+    def kv_scales(self, attn_prefix):
+        return self.inner.kv_scales(attn_prefix)
+
+    def tied_lm_head_ignored(self, name):
+        return self.inner.tied_lm_head_ignored(name)
+
+
+class StitchingSource:
+    """The builder's WeightSource over one source per local mesh device (e.g. weight-cache replays):
+    every call asks each device's source for its module and stitches them like ShardedWeights.
+    """
+
+    def __init__(self, sources: Sequence, mesh: Mesh):
+        self.sources, self.mesh = list(sources), mesh
+
+    def _all(self, method: str, *args, **kwargs):
+        return [getattr(src, method)(*args, **kwargs) for src in self.sources]
+
+    def linear(self, prefixes, in_features, out_features, bias, *, out_dtype=None):
+        modules = self._all("linear", prefixes, in_features, out_features, bias, out_dtype=out_dtype)
+        return stitch(modules, _kind(prefixes), self.mesh)
+
+    def embedding(self, name, vocab, hidden):
+        return stitch(self._all("embedding", name, vocab, hidden), "replicated", self.mesh)
+
+    def norm(self, name, size, eps):
+        return stitch(self._all("norm", name, size, eps), "replicated", self.mesh)
+
+    def kv_scales(self, attn_prefix):
+        values = self._all("kv_scales", attn_prefix)
+        if any(v != values[0] for v in values[1:]):
+            raise ConfigError(f"{attn_prefix}: the ranks disagree on the FP8 KV-cache scales ({values})")
+        return values[0]
+
+    def tied_lm_head_ignored(self, name):
+        self._all("tied_lm_head_ignored", name)
 
 
 class TensorParallelModel:

@@ -38,11 +38,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 class DaemonProcess:
-    def __init__(self, model, socket_dir, *, dtype="float32", device=0, env=None, wait=True):
+    def __init__(self, model, socket_dir, *, dtype="float32", device=0, env=None, wait=True, tp=1):
         self.dir = str(socket_dir)
+        self.device = device
         self.sock = os.path.join(self.dir, f"device-{device}.sock")
         cmd = [sys.executable, "-m", "modelopt_jax", "weight-cache", "serve", "--model", str(model), "--dtype", dtype,
-               "--device", str(device), "--socket-dir", self.dir]
+               "--device", str(device), "--socket-dir", self.dir, "--tensor-parallel", str(tp)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         if wait:
@@ -59,7 +60,7 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode}: {self.proc.stdout.read()}")
             try:
-                reply = request("status", socket_dir=self.dir, timeout=5)
+                reply = request("status", socket_dir=self.dir, device=self.device, timeout=5)
                 if reply.get("pid") == self.proc.pid or reply.get("refused") == "uid":
                     return
             except WeightCacheError:
@@ -70,7 +71,7 @@ class DaemonProcess:
     def stop(self):
         if self.proc.poll() is None:
             try:
-                if not request("stop", socket_dir=self.dir).get("ok"):
+                if not request("stop", socket_dir=self.dir, device=self.device).get("ok"):
                     self.proc.terminate()  # e.g. the uid test: SIGTERM must clean up as well
             except WeightCacheError:
                 self.proc.terminate()
@@ -405,3 +406,55 @@ def test_cli_status(fp8_daemon):
     assert status["ok"] and status["pid"] == fp8_daemon.proc.pid
     assert status["fingerprint"]["device"].startswith(_device_label())
     assert status["store"] == ("cuda" if jax.default_backend() == "gpu" else "host")
+
+
+def _shard_in_store(leaf, device, keep) -> bool:
+    shard = next(s for s in leaf.addressable_shards if s.device == device)
+    if hasattr(keep, "views"):  # cuda store: the IPC mapping
+        base, size = keep.base, keep.views.nbytes
+    else:
+        base, size = np.frombuffer(keep.buf, np.uint8).ctypes.data, keep.size
+    ptr = shard.data.unsafe_buffer_pointer()
+    return base <= ptr and ptr + shard.data.nbytes <= base + size
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_tensor_parallel_one_daemon_per_device(tmp_path):
+    """TP=2: daemons for devices 0 and 1 each serve their shard; the client stitches them zero-copy."""
+    from modelopt_jax.parallel import make_mesh
+
+    path = fixture_dir("qwen2-bytes-fp8-pc-pt")  # per-channel scales: column shards carry ScaleVector data
+    sock = tmp_path / "sock"
+    with pytest.raises(AssertionError, match="is not a rank of a tensor-parallel split of size 2"):
+        DaemonProcess(path, sock, device=2, env={}, tp=2)
+    daemons = [DaemonProcess(path, sock, device=i, tp=2) for i in range(2)]
+    try:
+        ordinary = LLM(str(path), dtype="float32", tensor_parallel_size=2)
+        reference = _outputs(ordinary)
+        for _ in range(2):
+            llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, weight_cache="require",
+                      weight_cache_dir=daemons[0].dir)
+            assert llm.model.weight_cache_source == "daemon"
+            assert _outputs(llm) == reference
+            la = jax.tree_util.tree_leaves(llm.model.state)
+            lb = jax.tree_util.tree_leaves(ordinary.model.state)
+            assert len(la) == len(lb)
+            for x, y in zip(la, lb):
+                assert x.sharding == y.sharding
+                assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+                for rank, device in enumerate(llm.model.mesh.devices.flat):
+                    assert _shard_in_store(x, device, llm.model.weight_cache_keepalive[rank])
+        # a single-device client is refused by the TP daemon, naming the field
+        with pytest.raises(WeightCacheError) as info:
+            load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemons[0].dir)
+        assert info.value.mismatch == ["tensor_parallel"]
+        # TP=2 with only rank 0's daemon: "auto" loads from disk (both ranks), "require" raises
+        daemons[1].stop()
+        fallback = load(path, dtype="float32", mesh=make_mesh(2), weight_cache="auto", weight_cache_dir=daemons[0].dir)
+        assert fallback.weight_cache_source == "disk"
+        with pytest.raises(WeightCacheError, match="device 1"):
+            load(path, dtype="float32", mesh=make_mesh(2), weight_cache="require", weight_cache_dir=daemons[0].dir,
+                 weight_cache_timeout=0.2)
+    finally:
+        for d in daemons:
+            d.stop()

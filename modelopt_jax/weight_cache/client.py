@@ -66,18 +66,13 @@ def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: floa
     return reply
 
 
-def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode: str = "require",
-           timeout: float = DEFAULT_TIMEOUT, ckpt=None):
-    """Builds the model around the daemon's buffers; raises WeightCacheError when it cannot."""
-    from modelopt_jax.checkpoint import Checkpoint
-    from modelopt_jax.models import FAMILIES
-
-    ckpt = ckpt or Checkpoint.open(path)
-    check_supported(ckpt.quant_config)
+def _attach_rank(ckpt, *, dtype, backend: str, socket_dir, device: int, mode: str, timeout: float, rank: int = 0,
+                 tensor_parallel: int = 1):
+    """Attaches to the daemon of local device ``device``; returns (ReplaySource, keep-alive, placement)."""
     where = placement.resolve(device)
-    fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device=where.label)
+    fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device=where.label, rank=rank,
+                             tensor_parallel=tensor_parallel)
     reply = _attach_reply(fp, socket_dir=socket_dir, device=device, mode=mode, timeout=timeout)
-    shm = mapping = None
     try:
         if reply.get("store", "host") != where.store:
             raise WeightCacheError(f"weight-cache daemon keeps a {reply.get('store')!r} store; this process needs "
@@ -85,27 +80,92 @@ def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode:
         if where.store == "cuda":
             from modelopt_jax.weight_cache import cuda_store
 
-            mapping, arrays = cuda_store.attach(reply["ipc_handle"], reply["alloc_bytes"], reply["index"],
-                                                where.ordinal)
+            keep, arrays = cuda_store.attach(reply["ipc_handle"], reply["alloc_bytes"], reply["index"], where.ordinal)
         else:
-            shm, views = host_store.attach(reply["shm_name"], reply["index"])
-            arrays = {k: jax.device_put(v) for k, v in views.items()}  # 64-byte aligned: adopted, not copied
-        source = ReplaySource(reply["layout"], arrays)
-        with where.default_device():
-            model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
-        source.finish()
+            keep, views = host_store.attach(reply["shm_name"], reply["index"])
+            # 64-byte aligned host pages: adopted by XLA:CPU as the device buffers, not copied
+            arrays = {k: jax.device_put(v, where.jax_device) for k, v in views.items()}
+        return ReplaySource(reply["layout"], arrays), keep, where
     except (KeyError, TypeError, ValueError) as e:
         raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
+
+
+class _PerDevice:
+    """Runs each rank's replay on its own device (the modules a rank rebuilds live there)."""
+
+    def __init__(self, source: ReplaySource, where):
+        self.source, self.where = source, where
+
+    def __getattr__(self, name):
+        method = getattr(self.source, name)
+
+        def call(*args, **kwargs):
+            with self.where.default_device():
+                return method(*args, **kwargs)
+        return call
+
+
+def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode: str = "require",
+           timeout: float = DEFAULT_TIMEOUT, ckpt=None, mesh=None):
+    """Builds the model around the daemons' buffers; raises WeightCacheError when it cannot.
+
+    Without ``mesh``: the daemon of local device ``device``. With a tensor-parallel ``mesh``: the
+    daemon of every local mesh device (rank i = mesh device i), whose per-device modules are
+    stitched into global arrays exactly as ``load(mesh=...)`` would place them.
+    """
+    from modelopt_jax.checkpoint import Checkpoint
+    from modelopt_jax.models import FAMILIES
+
+    ckpt = ckpt or Checkpoint.open(path)
+    check_supported(ckpt.quant_config)
+    family = FAMILIES[ckpt.model_config.family]
+    kw = dict(dtype=dtype, backend=backend, socket_dir=socket_dir, mode=mode, timeout=timeout)
+    if mesh is None:
+        source, keep, where = _attach_rank(ckpt, device=device, **kw)
+        try:
+            with where.default_device():
+                model = family(ckpt.model_config, source, dtype=dtype)
+            source.finish()
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
+        keeps = [keep]
+    else:
+        from modelopt_jax import parallel
+
+        tp = mesh.devices.size
+        config = parallel.local_config(ckpt.model_config, tp, os.path.join(ckpt.directory, "config.json"))
+        local = jax.local_devices()
+        ranks = [(i, d) for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+        sources, keeps = [], []
+        for rank, dev in ranks:
+            source, keep, where = _attach_rank(ckpt, device=local.index(dev), rank=rank, tensor_parallel=tp, **kw)
+            sources.append(source)
+            keeps.append(keep)
+        try:
+            model = family(config, parallel.StitchingSource(
+                [_PerDevice(s, placement.resolve(local.index(d))) for s, (_, d) in zip(sources, ranks)], mesh),
+                dtype=dtype)
+            for source in sources:
+                source.finish()
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightCacheError(f"weight-cache daemons sent inconsistent layouts: {e!r}") from e
     model.quant_config = ckpt.quant_config
     model.checkpoint_dir = ckpt.directory
-    model.weight_cache_shm = shm  # host store: the mapping must outlive the arrays that view it
-    model.weight_cache_mapping = mapping  # cuda store: the IPC mapping, closed once no array views it
+    # the mappings must outlive the arrays that view them (host: shared memory; cuda: IPC mapping)
+    model.weight_cache_shm = keeps[0] if mesh is None and not hasattr(keeps[0], "views") else None
+    model.weight_cache_mapping = keeps[0] if mesh is None and hasattr(keeps[0], "views") else None
+    model.weight_cache_keepalive = keeps
+    if mesh is not None:
+        model = parallel.TensorParallelModel(model, mesh, ckpt.model_config)
+        model.weight_cache_shm = model.weight_cache_mapping = None
+        model.weight_cache_keepalive = keeps
+        model.checkpoint_dir = ckpt.directory
     model.weight_cache_source = "daemon"
     return model
 
 
 def load_with_cache(path, *, dtype, backend: str, mode: str, socket_dir=None, device: int = 0,
-                    timeout: float | None = None, ordinary_load):
+                    timeout: float | None = None, ordinary_load, mesh=None):
     """``load(weight_cache=mode)``: attach, or fall back to ``ordinary_load()`` in ``auto`` mode."""
     from modelopt_jax.checkpoint import Checkpoint
 
@@ -116,7 +176,7 @@ def load_with_cache(path, *, dtype, backend: str, mode: str, socket_dir=None, de
     timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     try:
         model = attach(path, dtype=dtype, backend=backend, socket_dir=socket_dir, device=device, mode=mode,
-                       timeout=timeout, ckpt=ckpt)
+                       timeout=timeout, ckpt=ckpt, mesh=mesh)
     except WeightCacheError as e:
         if mode == "require":
             raise
@@ -124,5 +184,6 @@ def load_with_cache(path, *, dtype, backend: str, mode: str, socket_dir=None, de
         model = ordinary_load()
         model.weight_cache_source = "disk"
         return model
-    log.info("weight cache: attached %s from the daemon for device %d", ckpt.directory, device)
+    log.info("weight cache: attached %s from the daemon%s", ckpt.directory,
+             f" for device {device}" if mesh is None else f"s of {mesh.devices.size} tensor-parallel devices")
     return model

@@ -24,7 +24,9 @@ import struct
 import threading
 import time
 
-from modelopt_jax.errors import WeightCacheError, WeightCacheProtocolError
+import jax
+
+from modelopt_jax.errors import ConfigError, WeightCacheError, WeightCacheProtocolError
 from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
 from modelopt_jax.weight_cache.layout import RecordingSource, check_supported
 
@@ -40,9 +42,12 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def process(path, *, dtype, backend: str, where: placement.Placement | None = None):
+def process(path, *, dtype, backend: str, where: placement.Placement | None = None, rank: int = 0,
+            tensor_parallel: int = 1):
     """Loads ``path`` exactly like :func:`modelopt_jax.load` (on ``where``'s device) and records the
-    builder's calls. Returns (checkpoint, model, recording source).
+    builder's calls. With ``tensor_parallel`` > 1 it builds only shard ``rank`` of the split that
+    ``load(mesh=...)`` makes (see :class:`modelopt_jax.parallel.RankWeights`).
+    Returns (checkpoint, model, recording source).
     """
     from modelopt_jax.checkpoint import Checkpoint
     from modelopt_jax.loader import CheckpointWeights, _check_leftovers
@@ -50,9 +55,17 @@ def process(path, *, dtype, backend: str, where: placement.Placement | None = No
 
     ckpt = Checkpoint.open(path)
     check_supported(ckpt.quant_config)
-    source = RecordingSource(CheckpointWeights(ckpt, dtype=dtype, backend=backend))
+    inner = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
+    config = ckpt.model_config
+    if tensor_parallel > 1:
+        from modelopt_jax import parallel
+
+        config = parallel.local_config(config, tensor_parallel, os.path.join(ckpt.directory, "config.json"))
+        device = where.jax_device if where is not None and where.jax_device is not None else jax.devices()[0]
+        inner = parallel.RankWeights(inner, tensor_parallel, rank, device)
+    source = RecordingSource(inner)
     with (where.default_device() if where is not None else contextlib.nullcontext()):
-        model = FAMILIES[ckpt.model_config.family](ckpt.model_config, source, dtype=dtype)
+        model = FAMILIES[ckpt.model_config.family](config, source, dtype=dtype)
     _check_leftovers(ckpt)
     return ckpt, model, source
 
@@ -85,12 +98,19 @@ def _remove_dead_segments(device: int) -> None:
 
 
 class Daemon:
-    def __init__(self, model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto"):
+    def __init__(self, model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
+                 tensor_parallel: int = 1):
         from modelopt_jax.loader import resolve_dtype
         from modelopt_jax.ops.gemm import check_backend
 
         self.model_path = os.path.abspath(os.fspath(model_path))
         self.device = int(device)
+        # Under tensor parallelism the daemon of device i serves shard i of load(mesh=make_mesh(tp)),
+        # whose mesh is the first tp devices: device index and rank coincide.
+        self.tensor_parallel = int(tensor_parallel)
+        if self.tensor_parallel < 1 or self.device >= self.tensor_parallel > 1:
+            raise ConfigError(f"--device {self.device} is not a rank of a tensor-parallel split of size "
+                              f"{self.tensor_parallel} (ranks are devices 0..{self.tensor_parallel - 1})")
         self.dir = paths.ensure_private_dir(paths.resolve_dir(socket_dir))
         self.dtype = resolve_dtype(dtype)
         self.backend = backend
@@ -131,9 +151,12 @@ class Daemon:
         if self.placement.store == "host":
             _remove_dead_segments(self.device)
         t0 = time.perf_counter()
-        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend, where=self.placement)
+        rank = self.device if self.tensor_parallel > 1 else 0
+        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend, where=self.placement,
+                                      rank=rank, tensor_parallel=self.tensor_parallel)
         self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend,
-                                               device=self.placement.label)
+                                               device=self.placement.label, rank=rank,
+                                               tensor_parallel=self.tensor_parallel)
         self.family = ckpt.model_config.family
         self.layout = source.calls
         if self.placement.store == "cuda":
@@ -237,6 +260,7 @@ class Daemon:
     def _status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "model": self.model_path, "device": self.device,
                 "family": self.family, "fingerprint": self.fingerprint, **self.store_fields,
+                "tensor_parallel": self.tensor_parallel,
                 "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
                 "uptime_s": time.time() - self.started}
 
@@ -257,9 +281,10 @@ class Daemon:
 
 
 def serve(model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
-          ready=None) -> None:
+          tensor_parallel: int = 1, ready=None) -> None:
     """Runs a daemon until ``stop`` or SIGTERM/SIGINT; cleans up segment, socket and lock on the way out."""
-    daemon = Daemon(model_path, device=device, socket_dir=socket_dir, dtype=dtype, backend=backend)
+    daemon = Daemon(model_path, device=device, socket_dir=socket_dir, dtype=dtype, backend=backend,
+                    tensor_parallel=tensor_parallel)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,7 +3,8 @@
 Two processes may share processed buffers only if they would have produced identical ones: same
 tensor headers (names, dtypes, shapes, offsets -- not the bytes, which would mean reading the
 whole checkpoint just to ask), same config and quantization config, same processing options
-(compute dtype, GEMM backend, layout version), same library version and device. A mismatch is
+(compute dtype, GEMM backend, layout version), same library version and device, same shard of
+the same tensor-parallel split. A mismatch is
 reported as the list of differing field names so a user sees *why* the daemon refused.
 """
 
@@ -16,7 +17,7 @@ import os
 from modelopt_jax.checkpoint import Checkpoint
 
 # Bump whenever the processed form of any array changes (fusing, padding, scale layout, ...).
-LAYOUT_VERSION = 2  # 2: static scale vectors travel as base64 bytes
+LAYOUT_VERSION = 3  # 2: static scale vectors as base64 bytes; 3: tensor-parallel ranks
 
 
 def _h(data: bytes) -> str:
@@ -31,7 +32,9 @@ def _file_hash(path: str) -> str:
         return "absent"
 
 
-def compute(ckpt: Checkpoint, *, dtype, backend: str, device: str = "host") -> dict[str, str]:
+def compute(ckpt: Checkpoint, *, dtype, backend: str, device: str = "host", rank: int = 0,
+            tensor_parallel: int = 1) -> dict[str, str]:
+    """The fields; ``rank``/``tensor_parallel``: which shard of a TP split the cache holds."""
     from modelopt_jax import __version__
 
     fields: dict[str, str] = {}
@@ -51,6 +54,7 @@ def compute(ckpt: Checkpoint, *, dtype, backend: str, device: str = "host") -> d
     fields["layout_version"] = str(LAYOUT_VERSION)
     fields["library_version"] = __version__
     fields["device"] = str(device)
+    fields["tensor_parallel"] = f"rank {int(rank)} of {int(tensor_parallel)}"
     return fields
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from modelopt_jax.errors import UnsupportedForWeightCacheError, WeightCacheError
-from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Embedding, Fp8Linear, Linear, RMSNorm
+from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Embedding, Fp8Linear, Linear, RMSNorm, ScaleVector
 from modelopt_jax.static_array import StaticArray
 
 SUPPORTED_QUANT_ALGOS = (None, "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
@@ -66,19 +66,20 @@ def describe(module: nnx.Module, arrays: dict[str, jax.Array], key: str) -> dict
         return {"cls": "ConcatLinear", "parts": [describe(p, arrays, f"{key}.parts.{i}")
                                                  for i, p in enumerate(module.parts)]}
     if isinstance(module, Fp8Linear):
-        if module.reduce_axis or isinstance(module.weight_scale, nnx.Variable):
-            raise UnsupportedForWeightCacheError("tensor-parallel layers cannot be shared by the weight cache")
+        if isinstance(module.weight_scale, ScaleVector):  # a tensor-parallel rank's per-channel scales: data
+            weight_scale = {"scale_vector": put("weight_scale", module.weight_scale)}
+        else:
+            weight_scale = _scale_to_json(module.weight_scale)
         return {"cls": "Fp8Linear", "weight": put("weight", module.weight), "bias": put("bias", module.bias),
-                "weight_scale": _scale_to_json(module.weight_scale), "input_scale": _scale_to_json(module.input_scale),
+                "weight_scale": weight_scale, "input_scale": _scale_to_json(module.input_scale),
                 "dtype": module.dtype.name, "out_dtype": module.out_dtype.name, "backend": module.backend,
-                "shard_sizes": list(module.shard_sizes), "logical_out": module.logical_out}
+                "shard_sizes": list(module.shard_sizes), "logical_out": module.logical_out,
+                "reduce_axis": module.reduce_axis}
     if isinstance(module, BlockFp8Linear):
         raise UnsupportedForWeightCacheError("FP8_PB_WO block layers cannot be shared by the weight cache")
     if isinstance(module, Linear):
-        if module.reduce_axis:
-            raise UnsupportedForWeightCacheError("tensor-parallel layers cannot be shared by the weight cache")
         return {"cls": "Linear", "weight": put("weight", module.weight), "bias": put("bias", module.bias),
-                "dtype": module.dtype.name, "out_dtype": module.out_dtype.name}
+                "dtype": module.dtype.name, "out_dtype": module.out_dtype.name, "reduce_axis": module.reduce_axis}
     if isinstance(module, Embedding):
         return {"cls": "Embedding", "table": put("table", module.table), "dtype": module.dtype.name}
     if isinstance(module, RMSNorm):
@@ -100,13 +101,20 @@ def rebuild(desc: dict, arrays: dict[str, jax.Array]) -> nnx.Module:
     if cls == "ConcatLinear":
         return ConcatLinear([rebuild(p, arrays) for p in desc["parts"]])
     if cls == "Fp8Linear":
-        return Fp8Linear(get(desc["weight"]), weight_scale=_scale_from_json(desc["weight_scale"]),
-                         input_scale=_scale_from_json(desc["input_scale"]), bias=get(desc["bias"]),
-                         dtype=jnp.dtype(desc["dtype"]), backend=desc["backend"], shard_sizes=desc["shard_sizes"],
-                         out_dtype=jnp.dtype(desc["out_dtype"]), logical_out=desc["logical_out"])
+        scale = desc["weight_scale"]
+        vector = isinstance(scale, dict) and "scale_vector" in scale
+        layer = Fp8Linear(get(desc["weight"]), weight_scale=1.0 if vector else _scale_from_json(scale),
+                          input_scale=_scale_from_json(desc["input_scale"]), bias=get(desc["bias"]),
+                          dtype=jnp.dtype(desc["dtype"]), backend=desc["backend"], shard_sizes=desc["shard_sizes"],
+                          out_dtype=jnp.dtype(desc["out_dtype"]), logical_out=desc["logical_out"],
+                          reduce_axis=desc.get("reduce_axis"))
+        if vector:  # as parallel._build_rank sets it: device data, not a constant
+            value = ScaleVector(get(scale["scale_vector"]))
+            layer.weight_scale = nnx.data(value) if hasattr(nnx, "data") else value
+        return layer
     if cls == "Linear":
         return Linear(get(desc["weight"]), get(desc["bias"]), dtype=jnp.dtype(desc["dtype"]),
-                      out_dtype=jnp.dtype(desc["out_dtype"]))
+                      out_dtype=jnp.dtype(desc["out_dtype"]), reduce_axis=desc.get("reduce_axis"))
     if cls == "Embedding":
         return Embedding(get(desc["table"]), dtype=jnp.dtype(desc["dtype"]))
     if cls == "RMSNorm":

@@ -34,4 +34,5 @@ def resolve(device: int) -> Placement:
         dev = cuda_store.cuda_device(device)
         ordinal = int(dev.local_hardware_id)
         return Placement("cuda", cuda_store.device_uuid(ordinal), ordinal, dev)
-    return Placement("host", "host", None, None)
+    local = jax.local_devices()
+    return Placement("host", "host", None, local[device] if 0 <= device < len(local) else None)
