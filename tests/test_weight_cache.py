@@ -206,6 +206,21 @@ def test_block_fp8_rejected_up_front_by_client_and_daemon(tmp_path):
     assert not os.path.exists(daemon.sock)
 
 
+def test_backend_with_another_weight_layout_rejected_up_front(tmp_path):
+    """A GEMM backend declares the processed-weight layout it consumes; the cache shares only its own."""
+    from modelopt_jax.ops import gemm
+
+    gemm.register_backend("pretransposed", gemm._BACKENDS["xla"], weight_layout="fp8-KN")
+    try:
+        with pytest.raises(UnsupportedForWeightCacheError, match="'pretransposed' consumes weights in layout 'fp8-KN'"):
+            load(fixture_dir("qwen2-bytes-fp8"), dtype="float32", backend="pretransposed", weight_cache="auto",
+                 weight_cache_dir=tmp_path)
+    finally:
+        gemm._BACKENDS.pop("pretransposed")
+        gemm._WEIGHT_LAYOUTS.pop("pretransposed")
+    assert gemm.weight_layout("auto") == gemm.WEIGHT_LAYOUT
+
+
 def _raw(sock_path, payload: bytes, *, read=True):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)

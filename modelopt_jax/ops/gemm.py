@@ -44,9 +44,26 @@ _BACKENDS: dict[str, GemmImpl] = {}
 _UNAVAILABLE: dict[str, str] = {}
 
 
-def register_backend(name: str, impl: GemmImpl) -> None:
+# The processed FP8 weight every backend consumes: float8_e4m3fn [N, K] as stored in the checkpoint,
+# rows zero-padded to a multiple of 16. The weight cache shares buffers in exactly this layout, so a
+# backend that wanted another one (e.g. pre-transposed or swizzled) would register it here and the
+# cache would refuse it (and put it in the fingerprint) instead of handing over the wrong bytes.
+WEIGHT_LAYOUT = "fp8-e4m3fn-NK-pad16"
+_WEIGHT_LAYOUTS: dict[str, str] = {}
+
+
+def register_backend(name: str, impl: GemmImpl, *, weight_layout: str = WEIGHT_LAYOUT) -> None:
     _BACKENDS[name] = impl
+    _WEIGHT_LAYOUTS[name] = weight_layout
     _UNAVAILABLE.pop(name, None)
+
+
+def weight_layout(backend: str) -> str:
+    """The processed-weight layout ``backend`` consumes ("auto" picks among same-layout backends)."""
+    if backend == "auto":
+        layouts = set(_WEIGHT_LAYOUTS.values()) or {WEIGHT_LAYOUT}
+        return layouts.pop() if len(layouts) == 1 else "mixed"
+    return _WEIGHT_LAYOUTS.get(backend, WEIGHT_LAYOUT)
 
 
 def available_backends() -> tuple[str, ...]:

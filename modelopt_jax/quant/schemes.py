@@ -137,9 +137,15 @@ def _padded_weight(shards: Sequence[ShardTensors], pad: int):
 
 
 class LinearScheme:
-    """Base: subclasses set ``name`` and implement ``read`` and ``build``."""
+    """Base: subclasses set ``name`` and implement ``read`` and ``build``.
+
+    ``weight_cache_ok`` declares whether the modules ``build`` returns are fully described by
+    their arrays plus static attributes (scales, shard sizes, logical width), which is what the
+    weight-cache daemon records and a client replays; a scheme that is not stays off the cache.
+    """
 
     name = "?"
+    weight_cache_ok = True
 
     def read(self, ckpt: Checkpoint, prefix: str, out_features: int, in_features: int,
              has_bias: bool) -> ShardTensors:
@@ -231,6 +237,7 @@ class Fp8BlockWeightOnly(LinearScheme):
     """quant_algo FP8_PB_WO: one weight scale per 128x128 block, activations stay in compute dtype."""
 
     name = "fp8 128x128 block weights, unquantized activations"
+    weight_cache_ok = False  # its block-scale layer is not in the weight cache's recorded layout
 
     def read(self, ckpt, prefix, out_features, in_features, has_bias):
         weight = _read_checked(ckpt, f"{prefix}.weight", FP8_WEIGHT_DTYPES, [(out_features, in_features)],

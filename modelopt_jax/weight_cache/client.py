@@ -117,7 +117,7 @@ def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode:
     from modelopt_jax.models import FAMILIES
 
     ckpt = ckpt or Checkpoint.open(path)
-    check_supported(ckpt.quant_config)
+    check_supported(ckpt.quant_config, backend)
     family = FAMILIES[ckpt.model_config.family]
     kw = dict(dtype=dtype, backend=backend, socket_dir=socket_dir, mode=mode, timeout=timeout)
     if mesh is None:
@@ -172,7 +172,7 @@ def load_with_cache(path, *, dtype, backend: str, mode: str, socket_dir=None, de
     if mode not in MODES:
         raise ValueError(f"weight_cache={mode!r} not supported; use one of {', '.join(MODES)}")
     ckpt = Checkpoint.open(path)
-    check_supported(ckpt.quant_config)  # before any slow work, in every mode but off
+    check_supported(ckpt.quant_config, backend)  # before any slow work, in every mode but off
     timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     try:
         model = attach(path, dtype=dtype, backend=backend, socket_dir=socket_dir, device=device, mode=mode,

@@ -54,7 +54,7 @@ def process(path, *, dtype, backend: str, where: placement.Placement | None = No
     from modelopt_jax.models import FAMILIES
 
     ckpt = Checkpoint.open(path)
-    check_supported(ckpt.quant_config)
+    check_supported(ckpt.quant_config, backend)
     inner = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
     config = ckpt.model_config
     if tensor_parallel > 1:
@@ -146,7 +146,7 @@ class Daemon:
         self._lock()
         if os.path.exists(self.socket_path):  # left by a killed daemon: we hold the lock, so it is stale
             os.unlink(self.socket_path)
-        check_supported(Checkpoint.open(self.model_path, check_quantization=False).quant_config)
+        check_supported(Checkpoint.open(self.model_path, check_quantization=False).quant_config, self.backend)
         self.placement = placement.resolve(self.device)
         if self.placement.store == "host":
             _remove_dead_segments(self.device)

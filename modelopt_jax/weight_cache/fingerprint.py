@@ -50,7 +50,10 @@ def compute(ckpt: Checkpoint, *, dtype, backend: str, device: str = "host", rank
     fields["quant_config"] = _h(json.dumps([qc.quant_algo, qc.kv_cache_quant_algo, list(qc.exclude_modules),
                                             _file_hash(os.path.join(ckpt.directory, "hf_quant_config.json"))]).encode())
     fields["dtype"] = str(dtype)
+    from modelopt_jax.ops.gemm import weight_layout
+
     fields["backend"] = str(backend)
+    fields["weight_layout"] = weight_layout(backend)
     fields["layout_version"] = str(LAYOUT_VERSION)
     fields["library_version"] = __version__
     fields["device"] = str(device)

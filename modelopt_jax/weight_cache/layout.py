@@ -24,15 +24,25 @@ from modelopt_jax.errors import UnsupportedForWeightCacheError, WeightCacheError
 from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Embedding, Fp8Linear, Linear, RMSNorm, ScaleVector
 from modelopt_jax.static_array import StaticArray
 
-SUPPORTED_QUANT_ALGOS = (None, "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+def check_supported(quant_config, backend: str = "auto") -> None:
+    """Raises before any slow work when processed buffers of this scheme or backend cannot be shared.
 
+    Each scheme declares it (``LinearScheme.weight_cache_ok``) and each GEMM backend the processed
+    weight layout it consumes (:func:`modelopt_jax.ops.gemm.weight_layout`).
+    """
+    from modelopt_jax.ops.gemm import WEIGHT_LAYOUT, weight_layout
+    from modelopt_jax.quant.schemes import SCHEMES
 
-def check_supported(quant_config) -> None:
-    """Raises before any slow work when processed buffers of this scheme cannot be shared."""
-    if quant_config.quant_algo not in SUPPORTED_QUANT_ALGOS:
+    scheme = SCHEMES.get(quant_config.quant_algo)
+    if scheme is None or not scheme.weight_cache_ok:
+        supported = ", ".join(str(k or "unquantized") for k, v in SCHEMES.items() if v.weight_cache_ok)
         raise UnsupportedForWeightCacheError(
-            f"quant_algo {quant_config.quant_algo} cannot be served by the weight cache (supported: FP8, "
-            f"FP8_PER_CHANNEL_PER_TOKEN and unquantized checkpoints); load it without weight_cache")
+            f"quant_algo {quant_config.quant_algo} cannot be served by the weight cache (supported: {supported}); "
+            f"load it without weight_cache")
+    if weight_layout(backend) != WEIGHT_LAYOUT:
+        raise UnsupportedForWeightCacheError(
+            f"GEMM backend {backend!r} consumes weights in layout {weight_layout(backend)!r}, not the weight "
+            f"cache's {WEIGHT_LAYOUT!r}; load it without weight_cache")
 
 
 def _scale_to_json(value) -> Any:
