@@ -1,4 +1,4 @@
-"""Command line: ``python -m modelopt_jax {inspect,generate} ...`` (also installed as ``modelopt-jax``)."""
+"""Command line: ``python -m modelopt_jax {inspect,generate,weight-cache} ...`` (also installed as ``modelopt-jax``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def _inspect(args) -> int:
@@ -47,12 +46,9 @@ def _generate(args) -> int:
 
 
 def _weight_cache(args) -> int:
-    import json
     import logging
 
     if args.wc_command == "serve":
-        import os
-
         # Give processing memory back to the driver once the cache is built (the default BFC pool
         # would keep it, and preallocating 75% would starve the clients on the same GPU).
         os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
@@ -61,7 +57,7 @@ def _weight_cache(args) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
         def ready(daemon):
-            print(f"serving {daemon.model_path} on {daemon.socket_path} ({daemon.nbytes} bytes in {daemon.where})",
+            print(f"serving {daemon.model_path} on {daemon.socket_path} ({daemon.nbytes} bytes in {daemon.store.where})",
                   flush=True)
 
         serve(args.model, device=args.device, socket_dir=args.socket_dir, dtype=args.dtype, backend=args.backend,

@@ -140,18 +140,31 @@ def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", me
     ckpt = Checkpoint.open(path)
     log.info("loading %s (%s, quant_algo=%s, kv=%s) as %s", ckpt.directory, ckpt.model_config.architecture,
              ckpt.quant_config.quant_algo, ckpt.quant_config.kv_cache_quant_algo, dtype)
-    config = ckpt.model_config
     source = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
     if mesh is not None:
         from modelopt_jax import parallel
 
-        tp = mesh.devices.size
-        config = parallel.local_config(ckpt.model_config, tp, os.path.join(ckpt.directory, "config.json"))
         source = parallel.ShardedWeights(source, mesh)
-    model = FAMILIES[ckpt.model_config.family](config, source, dtype=dtype)
+    model = FAMILIES[ckpt.model_config.family](model_config_for(ckpt, mesh), source, dtype=dtype)
     _check_leftovers(ckpt)
+    return finish_model(model, ckpt, mesh)
+
+
+def model_config_for(ckpt: Checkpoint, mesh=None):
+    """The architecture the builder is given: the checkpoint's, or one device's part of a TP split."""
+    if mesh is None:
+        return ckpt.model_config
+    from modelopt_jax import parallel
+
+    return parallel.local_config(ckpt, mesh.devices.size)
+
+
+def finish_model(model, ckpt: Checkpoint, mesh=None):
+    """Attaches what callers read off a loaded model; wraps a per-device model for its mesh."""
     model.quant_config = ckpt.quant_config
     model.checkpoint_dir = ckpt.directory
     if mesh is not None:
+        from modelopt_jax import parallel
+
         model = parallel.TensorParallelModel(model, mesh, ckpt.model_config)
     return model

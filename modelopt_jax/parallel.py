@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 import jax
@@ -63,8 +64,9 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (AXIS,))
 
 
-def local_config(cfg: ModelConfig, tp: int, where: str) -> ModelConfig:
-    """The per-device view of the architecture; raises ConfigError naming what does not divide."""
+def local_config(ckpt, tp: int) -> ModelConfig:
+    """The per-device view of ``ckpt``'s architecture; raises ConfigError naming what does not divide."""
+    cfg, where = ckpt.model_config, os.path.join(ckpt.directory, "config.json")
     bad = [f"{name} {value}" for name, value in (("num_attention_heads", cfg.num_attention_heads),
                                                  ("num_key_value_heads", cfg.num_key_value_heads),
                                                  ("intermediate_size", cfg.intermediate_size)) if value % tp]

@@ -91,17 +91,9 @@ def _leaves(model):
     return jax.tree_util.tree_leaves(nnx.state(model))
 
 
-def _store_range(model) -> tuple[int, int]:
-    """[base, base + size) of the daemon's store as mapped in this process."""
-    if model.weight_cache_mapping is not None:  # cuda store
-        return model.weight_cache_mapping.base, model.weight_cache_mapping.views.nbytes
-    shm = model.weight_cache_shm
-    return np.frombuffer(shm.buf, np.uint8).ctypes.data, shm.size
-
-
 def _store_offsets(model) -> list[int]:
     """Every array's offset inside the daemon's store; asserts each one lies inside it (zero-copy)."""
-    base, size = _store_range(model)
+    base, size = model.weight_cache_stores[0].span()
     offsets = []
     for leaf in _leaves(model):
         ptr = leaf.unsafe_buffer_pointer()
@@ -423,12 +415,9 @@ def test_cli_status(fp8_daemon):
     assert status["store"] == ("cuda" if jax.default_backend() == "gpu" else "host")
 
 
-def _shard_in_store(leaf, device, keep) -> bool:
+def _shard_in_store(leaf, device, store) -> bool:
     shard = next(s for s in leaf.addressable_shards if s.device == device)
-    if hasattr(keep, "views"):  # cuda store: the IPC mapping
-        base, size = keep.base, keep.views.nbytes
-    else:
-        base, size = np.frombuffer(keep.buf, np.uint8).ctypes.data, keep.size
+    base, size = store.span()
     ptr = shard.data.unsafe_buffer_pointer()
     return base <= ptr and ptr + shard.data.nbytes <= base + size
 
@@ -458,7 +447,7 @@ def test_tensor_parallel_one_daemon_per_device(tmp_path):
                 assert x.sharding == y.sharding
                 assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
                 for rank, device in enumerate(llm.model.mesh.devices.flat):
-                    assert _shard_in_store(x, device, llm.model.weight_cache_keepalive[rank])
+                    assert _shard_in_store(x, device, llm.model.weight_cache_stores[rank])
         # a single-device client is refused by the TP daemon, naming the field
         with pytest.raises(WeightCacheError) as info:
             load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemons[0].dir)

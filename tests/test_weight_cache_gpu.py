@@ -22,6 +22,7 @@ from flax import nnx
 from fixture_paths import fixture_dir
 from modelopt_jax import load
 from modelopt_jax.synthetic import write_checkpoint
+from modelopt_jax.weight_cache import cuda_store
 from test_weight_cache import DaemonProcess, _assert_same_arrays, _leaves, _store_offsets
 
 pytestmark = pytest.mark.gpu
@@ -61,8 +62,9 @@ def test_attached_client_uses_no_device_memory_for_weights(big_ckpt, tmp_path):
           f"an ordinary load by {load_growth / 1e6:.1f} MB")
     assert load_growth >= 0.9 * weight_bytes
     assert attach_growth <= 0.01 * weight_bytes
-    mapping = attached.weight_cache_mapping
-    assert mapping is not None and again.weight_cache_mapping.base == mapping.base  # one mapping, same address
+    (mapping,), (mapping_again,) = attached.weight_cache_stores, again.weight_cache_stores
+    assert isinstance(mapping, cuda_store.Mapping)  # CUDA IPC mode, not shared memory
+    assert mapping_again.span()[0] == mapping.span()[0]  # one mapping, same address
     assert _store_offsets(attached) == _store_offsets(again)
     _assert_same_arrays(attached, ordinary)
     gate_up = attached.layers[0].mlp.gate_up

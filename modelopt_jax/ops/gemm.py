@@ -22,7 +22,7 @@ Backends register an implementation under a name:
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp

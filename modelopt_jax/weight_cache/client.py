@@ -11,8 +11,8 @@ elsewhere), static scales are compiled in as constants as usual.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import socket
 import time
 
@@ -114,52 +114,38 @@ def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode:
     stitched into global arrays exactly as ``load(mesh=...)`` would place them.
     """
     from modelopt_jax.checkpoint import Checkpoint
+    from modelopt_jax.loader import finish_model, model_config_for
     from modelopt_jax.models import FAMILIES
 
     ckpt = ckpt or Checkpoint.open(path)
     check_supported(ckpt.quant_config, backend)
-    family = FAMILIES[ckpt.model_config.family]
     kw = dict(dtype=dtype, backend=backend, socket_dir=socket_dir, mode=mode, timeout=timeout)
     if mesh is None:
-        source, keep, where = _attach_rank(ckpt, device=device, **kw)
-        try:
-            with where.default_device():
-                model = family(ckpt.model_config, source, dtype=dtype)
-            source.finish()
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
-        keeps = [keep]
+        ranks = [(0, 1, device)]
     else:
+        local = jax.local_devices()
+        tp = mesh.devices.size
+        ranks = [(i, tp, local.index(d)) for i, d in enumerate(mesh.devices.flat)
+                 if d.process_index == jax.process_index()]
+    attached = [_attach_rank(ckpt, device=dev, rank=rank, tensor_parallel=tp, **kw) for rank, tp, dev in ranks]
+    sources = [_PerDevice(source, where) for source, _, where in attached]
+    if mesh is not None:
         from modelopt_jax import parallel
 
-        tp = mesh.devices.size
-        config = parallel.local_config(ckpt.model_config, tp, os.path.join(ckpt.directory, "config.json"))
-        local = jax.local_devices()
-        ranks = [(i, d) for i, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
-        sources, keeps = [], []
-        for rank, dev in ranks:
-            source, keep, where = _attach_rank(ckpt, device=local.index(dev), rank=rank, tensor_parallel=tp, **kw)
-            sources.append(source)
-            keeps.append(keep)
-        try:
-            model = family(config, parallel.StitchingSource(
-                [_PerDevice(s, placement.resolve(local.index(d))) for s, (_, d) in zip(sources, ranks)], mesh),
-                dtype=dtype)
-            for source in sources:
-                source.finish()
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightCacheError(f"weight-cache daemons sent inconsistent layouts: {e!r}") from e
-    model.quant_config = ckpt.quant_config
-    model.checkpoint_dir = ckpt.directory
-    # the mappings must outlive the arrays that view them (host: shared memory; cuda: IPC mapping)
-    model.weight_cache_shm = keeps[0] if mesh is None and not hasattr(keeps[0], "views") else None
-    model.weight_cache_mapping = keeps[0] if mesh is None and hasattr(keeps[0], "views") else None
-    model.weight_cache_keepalive = keeps
-    if mesh is not None:
-        model = parallel.TensorParallelModel(model, mesh, ckpt.model_config)
-        model.weight_cache_shm = model.weight_cache_mapping = None
-        model.weight_cache_keepalive = keeps
-        model.checkpoint_dir = ckpt.directory
+        sources = [parallel.StitchingSource(sources, mesh)]
+    # single device: anything the builder makes besides weights goes to that device too
+    on_device = attached[0][2].default_device() if mesh is None else contextlib.nullcontext()
+    try:
+        with on_device:
+            model = FAMILIES[ckpt.model_config.family](model_config_for(ckpt, mesh), sources[0], dtype=dtype)
+        for source, _, _ in attached:
+            source.finish()
+    except (KeyError, TypeError, ValueError) as e:
+        raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
+    model = finish_model(model, ckpt, mesh)
+    # One store per attached daemon (rank order), each with span() -> (address, bytes). They must
+    # outlive the arrays that view them (host: shared memory; cuda: the IPC mapping).
+    model.weight_cache_stores = [store for _, store, _ in attached]
     model.weight_cache_source = "daemon"
     return model
 

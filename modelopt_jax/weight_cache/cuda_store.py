@@ -97,10 +97,6 @@ def _handle_from_bytes(raw: bytes):
     return handle
 
 
-def _align(n: int) -> int:
-    return -(-n // GPU_ALIGNMENT) * GPU_ALIGNMENT
-
-
 class Slab:
     """The daemon's allocation: freed by :meth:`free` (clean shutdown) or with the process."""
 
@@ -111,6 +107,15 @@ class Slab:
             self.ptr = int(_call(f"cuMemAlloc({nbytes})", _driver().cuMemAlloc(max(self.nbytes, GPU_ALIGNMENT))))
             self.handle = _handle_bytes(_call("cuIpcGetMemHandle", _driver().cuIpcGetMemHandle(self.ptr)))
 
+    @property
+    def fields(self) -> dict:
+        """What a client needs to map it."""
+        return {"store": "cuda", "ipc_handle": self.handle.hex(), "alloc_bytes": self.nbytes, "ordinal": self.ordinal}
+
+    @property
+    def where(self) -> str:
+        return f"CUDA allocation on device ordinal {self.ordinal}"
+
     def free(self) -> None:
         if self.ptr:
             with self.context:
@@ -120,12 +125,11 @@ class Slab:
 
 def create(arrays: dict, ordinal: int) -> tuple[Slab, dict]:
     """Copies ``arrays`` (device or host) into a new :class:`Slab`; returns it and the index."""
+    from modelopt_jax.weight_cache.layout import pack
+
     driver = _driver()
-    index, offset = {}, 0
-    for key, a in arrays.items():
-        nbytes = int(a.size) * a.dtype.itemsize
-        index[key] = {"offset": offset, "dtype": a.dtype.name, "shape": list(a.shape), "nbytes": nbytes}
-        offset = _align(offset + nbytes)
+    index, offset = pack(arrays, GPU_ALIGNMENT)
+    device = _device_of(ordinal)
     slab = Slab(ordinal, offset)
     try:
         with slab.context:
@@ -133,7 +137,7 @@ def create(arrays: dict, ordinal: int) -> tuple[Slab, dict]:
                 dst, n = slab.ptr + index[key]["offset"], index[key]["nbytes"]
                 if n == 0:
                     continue
-                if isinstance(a, jax.Array) and a.devices() == {_device_of(ordinal)}:
+                if isinstance(a, jax.Array) and a.devices() == {device}:
                     a.block_until_ready()
                     _call(f"copy of {key}", driver.cuMemcpyDtoD(dst, a.unsafe_buffer_pointer(), n))
                 else:
@@ -165,6 +169,10 @@ class Mapping:
             self.base = int(_call("cuIpcOpenMemHandle", _driver().cuIpcOpenMemHandle(
                 _handle_from_bytes(handle), _driver().CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)))
         self.views = Views(self.base, nbytes, device_id=self.ordinal)
+
+    def span(self) -> tuple[int, int]:
+        """(address, bytes) of the mapping in this process."""
+        return self.base, self.views.nbytes
 
     def close_if_unused(self) -> bool:
         if self.base and self.views.alive == 0:

@@ -60,7 +60,7 @@ def process(path, *, dtype, backend: str, where: placement.Placement | None = No
     if tensor_parallel > 1:
         from modelopt_jax import parallel
 
-        config = parallel.local_config(config, tensor_parallel, os.path.join(ckpt.directory, "config.json"))
+        config = parallel.local_config(ckpt, tensor_parallel)
         device = where.jax_device if where is not None and where.jax_device is not None else jax.devices()[0]
         inner = parallel.RankWeights(inner, tensor_parallel, rank, device)
     source = RecordingSource(inner)
@@ -120,8 +120,7 @@ class Daemon:
         self.allowed_uid = int(os.environ.get(ENV_ALLOWED_UID, os.getuid()))
         self.stop_event = threading.Event()
         self.lock_fd = None
-        self.shm = None   # host store
-        self.slab = None  # cuda store
+        self.store = None  # host_store.Segment or cuda_store.Slab
         self.listener = None
         self.attaches = 0
         self.started = time.time()
@@ -162,26 +161,21 @@ class Daemon:
         if self.placement.store == "cuda":
             from modelopt_jax.weight_cache import cuda_store
 
-            self.slab, self.index = cuda_store.create(source.arrays, self.placement.ordinal)
-            self.store_fields = {"store": "cuda", "ipc_handle": self.slab.handle.hex(), "alloc_bytes": self.slab.nbytes,
-                                 "ordinal": self.placement.ordinal}
-            where = f"CUDA allocation on {self.placement.label} (ordinal {self.placement.ordinal})"
+            self.store, self.index = cuda_store.create(source.arrays, self.placement.ordinal)
         else:
-            self.shm, self.index = host_store.create(source.arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
-            self.store_fields = {"store": "host", "shm_name": self.shm.name}
-            where = f"shared memory {self.shm.name}"
+            self.store, self.index = host_store.create(source.arrays,
+                                                       f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
         self.nbytes = sum(e["nbytes"] for e in self.index.values())
         # Encoded once: the layout is the bulk of every attach reply and never changes.
-        self.attach_reply = protocol.encode({"ok": True, **self.store_fields, "family": self.family,
+        self.attach_reply = protocol.encode({"ok": True, **self.store.fields, "family": self.family,
                                              "layout": self.layout, "index": self.index,
                                              "fingerprint": self.fingerprint})
         if len(self.attach_reply) > protocol.MAX_REPLY:
             raise WeightCacheError(f"the layout of {self.model_path} encodes to {len(self.attach_reply)} bytes, over "
                                    f"the protocol's {protocol.MAX_REPLY}-byte reply limit")
         del model, source  # the store is the cache now
-        self.where = where
         log.info("processed %s in %.1f s: %d arrays, %d bytes in %s", self.model_path,
-                 time.perf_counter() - t0, len(self.index), self.nbytes, where)
+                 time.perf_counter() - t0, len(self.index), self.nbytes, self.store.where)
 
     def listen(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -218,12 +212,9 @@ class Daemon:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
-        if self.shm is not None:
-            host_store.destroy(self.shm)
-            self.shm = None
-        if self.slab is not None:
-            self.slab.free()
-            self.slab = None
+        if self.store is not None:
+            self.store.free()
+            self.store = None
         if self.lock_fd is not None:
             os.close(self.lock_fd)  # releases the flock
             self.lock_fd = None
@@ -259,7 +250,7 @@ class Daemon:
 
     def _status(self) -> dict:
         return {"ok": True, "pid": os.getpid(), "model": self.model_path, "device": self.device,
-                "family": self.family, "fingerprint": self.fingerprint, **self.store_fields,
+                "family": self.family, "fingerprint": self.fingerprint, **self.store.fields,
                 "tensor_parallel": self.tensor_parallel,
                 "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
                 "uptime_s": time.time() - self.started}

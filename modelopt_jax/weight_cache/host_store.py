@@ -18,26 +18,43 @@ import numpy as np
 
 from modelopt_jax.checkpoint.safetensors_index import HOST_ALIGNMENT
 from modelopt_jax.errors import WeightCacheError
+from modelopt_jax.weight_cache.layout import pack
 
 
-def _align(n: int) -> int:
-    return -(-n // HOST_ALIGNMENT) * HOST_ALIGNMENT
+class Segment(shared_memory.SharedMemory):
+    """The daemon's segment: what clients are told (:attr:`fields`) and how it is freed."""
+
+    @property
+    def fields(self) -> dict:
+        return {"store": "host", "shm_name": self.name}
+
+    @property
+    def where(self) -> str:
+        return f"shared memory {self.name}"
+
+    def free(self) -> None:
+        """Unlink the name (attached clients keep their mapping) and unmap if possible."""
+        try:
+            self.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            self.close()
+        except BufferError:  # a view is still referenced somewhere; the mapping goes with the process
+            pass
 
 
-def create(arrays: dict, name: str) -> tuple[shared_memory.SharedMemory, dict]:
+def create(arrays: dict, name: str) -> tuple[Segment, dict]:
     """Copies ``arrays`` into a new segment; returns it and the index {name: {offset, dtype, shape}}."""
     arrays = {k: np.asarray(jax.device_get(a)) for k, a in arrays.items()}
-    index, offset = {}, 0
-    for key, a in arrays.items():
-        index[key] = {"offset": offset, "dtype": a.dtype.name, "shape": list(a.shape), "nbytes": int(a.nbytes)}
-        offset = _align(offset + a.nbytes)
+    index, size = pack(arrays, HOST_ALIGNMENT)
     try:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, HOST_ALIGNMENT))
+        shm = Segment(name=name, create=True, size=max(size, HOST_ALIGNMENT))
     except FileExistsError:  # a stale segment of a killed daemon with our pid: replace it
         old = shared_memory.SharedMemory(name=name)
         old.close()
         old.unlink()
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, HOST_ALIGNMENT))
+        shm = Segment(name=name, create=True, size=max(size, HOST_ALIGNMENT))
     for key, a in arrays.items():
         view = _view(shm, index[key])
         np.copyto(view, a, casting="no")
@@ -54,6 +71,10 @@ def _view(shm: shared_memory.SharedMemory, entry: dict) -> np.ndarray:
 
 class _Mapping(shared_memory.SharedMemory):
     """A client's mapping: never unlinks, and stays mapped while device arrays still view it."""
+
+    def span(self) -> tuple[int, int]:
+        """(address, bytes) of the mapping in this process."""
+        return np.frombuffer(self.buf, np.uint8).ctypes.data, self.size
 
     def __del__(self):
         try:
@@ -79,15 +100,3 @@ def attach(name: str, index: dict) -> tuple[shared_memory.SharedMemory, dict[str
             raise WeightCacheError(f"weight-cache segment {name!r} is smaller ({shm.size}) than its index says")
         views[key] = _view(shm, entry)
     return shm, views
-
-
-def destroy(shm: shared_memory.SharedMemory) -> None:
-    """Daemon side: unlink the name (attached clients keep their mapping) and unmap if possible."""
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-    try:
-        shm.close()
-    except BufferError:  # a view is still referenced somewhere; the mapping goes with the process
-        pass

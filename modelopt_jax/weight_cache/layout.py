@@ -45,6 +45,17 @@ def check_supported(quant_config, backend: str = "auto") -> None:
             f"cache's {WEIGHT_LAYOUT!r}; load it without weight_cache")
 
 
+def pack(arrays: dict, alignment: int) -> tuple[dict, int]:
+    """Where each array goes in a store: ({name: {offset, dtype, shape, nbytes}}, total bytes),
+    every offset a multiple of ``alignment`` (both stores lay arrays out this way)."""
+    index, offset = {}, 0
+    for key, a in arrays.items():
+        nbytes = int(a.size) * a.dtype.itemsize
+        index[key] = {"offset": offset, "dtype": a.dtype.name, "shape": list(a.shape), "nbytes": nbytes}
+        offset += -(-nbytes // alignment) * alignment
+    return index, offset
+
+
 def _scale_to_json(value) -> Any:
     if value is None or isinstance(value, float):
         return value
