@@ -52,6 +52,14 @@ def _dense(x: jax.Array, w: jax.Array, bias: jax.Array | None, dtype, out_dtype=
     return y.astype(out_dtype or dtype)
 
 
+def _dense_layer(x, w, bias_param, dtype, out_dtype, reduce_axis: str | None) -> jax.Array:
+    """An unquantized layer's output; under row parallelism the bias is added after the all-reduce."""
+    bias = None if bias_param is None else bias_param[...]
+    if reduce_axis:
+        return _reduce(_dense(x, w, None, dtype, out_dtype), bias, reduce_axis, out_dtype)
+    return _dense(x, w, bias, dtype, out_dtype)
+
+
 class Linear(nnx.Module):
     """Unquantized dense layer (modules excluded from quantization keep the checkpoint dtype)."""
 
@@ -68,11 +76,7 @@ class Linear(nnx.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        bias = None if self.bias is None else self.bias[...]
-        if self.reduce_axis:
-            return _reduce(_dense(x, self.weight[...], None, self.dtype, self.out_dtype), bias, self.reduce_axis,
-                           self.out_dtype)
-        return _dense(x, self.weight[...], bias, self.dtype, self.out_dtype)
+        return _dense_layer(x, self.weight[...], self.bias, self.dtype, self.out_dtype, self.reduce_axis)
 
 
 class Fp8Linear(nnx.Module):
@@ -146,10 +150,7 @@ class BlockFp8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = dequantize_blockwise(self.weight[...], self.block_scales.array, self.block)
-        bias = None if self.bias is None else self.bias[...]
-        if self.reduce_axis:
-            return _reduce(_dense(x, w, None, self.dtype, self.out_dtype), bias, self.reduce_axis, self.out_dtype)
-        return _dense(x, w, bias, self.dtype, self.out_dtype)
+        return _dense_layer(x, w, self.bias, self.dtype, self.out_dtype, self.reduce_axis)
 
 
 class ConcatLinear(nnx.Module):

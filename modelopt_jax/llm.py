@@ -46,6 +46,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+def _logprob_entry(token: int, chosen, top_values, top_ids, k: int | None) -> dict[int, float]:
+    """{token: its log-prob} plus the top-``k`` alternatives (the token itself is not repeated)."""
+    entry = {token: float(chosen)}
+    for j in range(k or 0):
+        entry.setdefault(int(top_ids[j]), float(top_values[j]))
+    return entry
+
+
 def _bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
@@ -121,7 +129,6 @@ class LLM:
         self._forward, self._state = make_cached_forward(self.model)
         self._prefill = jax.jit(self._prefill_fn, static_argnums=(0, 1), donate_argnums=(3,))
         self._decode = jax.jit(self._decode_fn, static_argnums=(0,), donate_argnums=(2,))
-        self._compiled: set[tuple] = set()
         self.last_stats: dict[str, float] = {}
 
     def _load_tokenizer(self, tokenizer):
@@ -245,10 +252,7 @@ class LLM:
                 if finish[r] is not None:
                     continue
                 out_tokens[r].append(int(tok[r]))
-                entry = {int(tok[r]): float(chosen[r])}
-                for j in range(params[r].logprobs or 0):
-                    entry.setdefault(int(top_i[r, j]), float(top_v[r, j]))
-                out_lp[r].append(entry)
+                out_lp[r].append(_logprob_entry(int(tok[r]), chosen[r], top_v[r], top_i[r], params[r].logprobs))
                 if int(tok[r]) in stop[r]:
                     finish[r] = "stop"
                 elif len(out_tokens[r]) >= budget[r]:
@@ -289,8 +293,6 @@ class LLM:
         chosen, top_v, top_i = arrays
         result: list[dict[int, float] | None] = [None]
         for pos in range(1, len(prompt_ids)):
-            entry = {prompt_ids[pos]: float(chosen[row, pos - 1])}
-            for j in range(k):
-                entry.setdefault(int(top_i[row, pos - 1, j]), float(top_v[row, pos - 1, j]))
-            result.append(entry)
+            result.append(_logprob_entry(prompt_ids[pos], chosen[row, pos - 1], top_v[row, pos - 1],
+                                         top_i[row, pos - 1], k))
         return result

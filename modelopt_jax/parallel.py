@@ -85,19 +85,17 @@ def _kind(prefixes: Sequence[str]) -> str:
 
 def _slice_shard(s: ShardTensors, i: int, tp: int, axis: int) -> ShardTensors:
     """Device i's part of one checkpoint Linear (rows for column-parallel, columns for row-parallel)."""
+    if s.weight_scale is not None and s.weight_scale.ndim == 2:  # 128x128 blocks span the shards
+        raise ConfigError("FP8_PB_WO under tensor parallelism is not supported (block scales span shards)")
     if axis == 0:
         n = s.out_features // tp
         rows = slice(i * n, (i + 1) * n)
         scale = s.weight_scale
         if scale is not None and scale.ndim == 1:
             scale = scale[rows]
-        elif scale is not None and scale.ndim == 2:  # 128x128 blocks: only whole blocks can be split
-            raise ConfigError("FP8_PB_WO under tensor parallelism is not supported (block scales span shards)")
         return ShardTensors(s.prefix, np.ascontiguousarray(s.weight[rows]),
                             None if s.bias is None else s.bias[rows], scale, s.input_scale)
     k = s.weight.shape[1] // tp
-    if s.weight_scale is not None and s.weight_scale.ndim == 2:
-        raise ConfigError("FP8_PB_WO under tensor parallelism is not supported (block scales span shards)")
     return ShardTensors(s.prefix, np.ascontiguousarray(s.weight[:, i * k:(i + 1) * k]), s.bias, s.weight_scale,
                         s.input_scale)
 

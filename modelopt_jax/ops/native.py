@@ -42,14 +42,16 @@ def _find(name: str) -> str | None:
     return None
 
 
+def _load(path: str, handler: str, platform: str) -> ctypes.CDLL:
+    lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, handler)), platform=platform)
+    return lib
+
+
 @functools.cache
 def cpu_library() -> ctypes.CDLL | None:
     path = _find(CPU_LIB)
-    if path is None:
-        return None
-    lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GemmCpu), platform="cpu")
-    return lib
+    return None if path is None else _load(path, "ModeloptFp8GemmCpu", "cpu")
 
 
 @functools.cache
@@ -58,12 +60,10 @@ def cuda_library() -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        lib = ctypes.cdll.LoadLibrary(path)
+        return _load(path, "ModeloptFp8GemmCuda", "CUDA")
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
         warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GemmCuda), platform="CUDA")
-    return lib
 
 
 @functools.cache
@@ -88,20 +88,22 @@ def has_cuda_handler() -> bool:
     return cuda_library() is not None
 
 
+def _major(major: int | None) -> int:
+    """``major``, or the compute capability major of GPU 0."""
+    return int(jax.devices("gpu")[0].compute_capability.split(".")[0]) if major is None else major
+
+
 def config_count(major: int | None = None) -> int:
     """Number of compiled CUDA tile configurations for compute capability ``major`` (default: device 0)."""
     lib = cuda_library()
     if lib is None:
         return 0
-    if major is None:
-        major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
-    return int(lib.ModeloptFp8GemmConfigName(major, 0, None, 0))
+    return int(lib.ModeloptFp8GemmConfigName(_major(major), 0, None, 0))
 
 
 def config_name(index: int, major: int | None = None) -> str:
     lib = cuda_library()
-    if major is None:
-        major = int(jax.devices("gpu")[0].compute_capability.split(".")[0])
+    major = _major(major)
     buf = ctypes.create_string_buffer(128)
     lib.ModeloptFp8GemmConfigName(major, index, buf, 128)
     return buf.value.decode()
