@@ -25,7 +25,7 @@ from timing import device_time_jax, device_time_torch, repetitions, time_jax, ti
 
 from modelopt_jax.ops import native  # noqa: E402
 from modelopt_jax.ops.ffi_gemm import ffi_fp8_gemm  # noqa: E402
-from modelopt_jax.ops.gemm import _xla_fp8_gemm  # noqa: E402
+from modelopt_jax.ops.gemm import fp8_gemm  # noqa: E402
 
 SHAPES = {  # name: (N, K) of Llama-3 linear layers (fused qkv and gate_up)
     "8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (28672, 4096), "8B.down": (4096, 14336),
@@ -57,7 +57,7 @@ def jax_peers(n):
         return ffi_fp8_gemm(x, w, x_scale=row, w_scale=col, bias=None, out_dtype=jnp.bfloat16)
 
     def xla_fp8_dot(x, w):
-        return _xla_fp8_gemm(x, w, x_scale=SX, w_scale=SW, bias=None, out_dtype=jnp.bfloat16)
+        return fp8_gemm(x, w, x_scale=SX, w_scale=SW, out_dtype=jnp.bfloat16, backend="xla")
 
     def xla_dequant_dot(x, w):
         a = x.astype(jnp.bfloat16) * jnp.bfloat16(SX)

@@ -4,7 +4,7 @@ Run on the H200 (not a test):
     python bench/generate.py [--preset llama3-8b] [--batches 1,8,64] [--prompt 128] [--new 256]
                              [--prefill 2048] [--checkpoint DIR [--tensor-parallel 1,2]] [--json out.json]
 
-Weights: by default random, made on the device in the exact module structure ``load`` builds for a
+Weights: by default random, made on the device in the exact plan and module structure ``load`` builds for a
 per-tensor ModelOpt FP8 Llama-3 checkpoint (fused q/k/v and gate/up FP8 layers with static scales,
 bf16 embeddings / lm_head / norms) -- writing an 8 GB synthetic checkpoint to disk first measures
 the disk, not decoding. The bf16 model holds the same weights dequantized. ``--checkpoint DIR``
@@ -19,6 +19,7 @@ tokens/s, compile times, peak GPU memory, ratios to bf16 and to the weight-bytes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import modelopt_jax  # noqa: E402
 from modelopt_jax.checkpoint import ModelConfig, RopeConfig  # noqa: E402
 from modelopt_jax.generation import make_cached_forward  # noqa: E402
-from modelopt_jax.kv_cache import init_cache  # noqa: E402
-from modelopt_jax.layers import Embedding, Fp8Linear, Linear, RMSNorm  # noqa: E402
-from modelopt_jax.models.llama import MLP, Attention, CausalLM, DecoderLayer  # noqa: E402
+from modelopt_jax.kv_cache import KVCacheSpec  # noqa: E402
+from modelopt_jax.ops.epilogue import Fp8Epilogue  # noqa: E402
+from modelopt_jax.pipeline import build_model  # noqa: E402
+from modelopt_jax.quant.plan import LinearPlan, ModelPlan, TensorPlan  # noqa: E402
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, H200 device-to-device copy measured here
 PRESETS = {
@@ -55,7 +57,9 @@ def config_for(p, max_pos=8192) -> ModelConfig:
 
 
 class RandomModels:
-    """Builds the FP8 model and, from the same FP8 codes, its bf16 twin, layer by layer on device."""
+    """The FP8 model and, from the same FP8 codes, its bf16 twin: plans as ``load`` would make them
+    for a per-tensor ModelOpt FP8 Llama checkpoint, arrays made on the device, built by the same
+    pipeline stage as a load (``pipeline.build_model``)."""
 
     def __init__(self, cfg: ModelConfig, seed=0):
         self.cfg, self.key = cfg, jax.random.PRNGKey(seed)
@@ -76,45 +80,40 @@ class RandomModels:
     def build(self):
         cfg, h = self.cfg, self.cfg.hidden_size
         w_scale, x_scale = 1.0 / (64 * 4 * np.sqrt(h)), 0.02
-        embed = self.bf16((cfg.vocab_size, h), 1.0)
-        fp8_layers, bf16_layers = [], []
-        for _ in range(cfg.num_hidden_layers):
-            ws = {name: self.fp8(n, k) for name, (n, k) in {
-                "qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size),
-                "gate_up": (2 * cfg.intermediate_size, h), "down": (h, cfg.intermediate_size)}.items()}
-            norms = (jnp.ones((h,), jnp.bfloat16), jnp.ones((h,), jnp.bfloat16))
-
-            def layer(make):
-                attn = Attention(cfg, make(ws["qkv"]), make(ws["o"]), None, dtype=jnp.bfloat16)
-                mlp = MLP(make(ws["gate_up"]), make(ws["down"]), cfg.intermediate_size, dtype=jnp.bfloat16)
-                return DecoderLayer(RMSNorm(norms[0], eps=1e-5, dtype=jnp.bfloat16), attn,
-                                    RMSNorm(norms[1], eps=1e-5, dtype=jnp.bfloat16), mlp)
-
-            fp8_layers.append(layer(lambda w: Fp8Linear(w, weight_scale=float(w_scale), input_scale=x_scale,
-                                                        dtype=jnp.bfloat16)))
-            bf16_layers.append(layer(lambda w: Linear((w.astype(jnp.float32) * w_scale).astype(jnp.bfloat16),
-                                                      dtype=jnp.bfloat16)))
-        head = self.bf16((cfg.vocab_size, h))
-        norm = jnp.ones((h,), jnp.bfloat16)
-
-        def model(layers):
-            return CausalLM(cfg, Embedding(embed, dtype=jnp.bfloat16), layers, RMSNorm(norm, eps=1e-5, dtype=jnp.bfloat16),
-                            Linear(head, dtype=jnp.bfloat16, out_dtype=jnp.float32), dtype=jnp.bfloat16)
-
-        return model(fp8_layers), model(bf16_layers)
+        epilogue = Fp8Epilogue.fold(x_scale, float(w_scale))
+        fp8_arrays = {"embed_tokens.table": self.bf16((cfg.vocab_size, h), 1.0), "norm.weight": jnp.ones((h,), jnp.bfloat16),
+                      "lm_head.weight": self.bf16((cfg.vocab_size, h))}
+        linears, tensors = [], [("embed_tokens.table", TensorPlan("e", (cfg.vocab_size, h), "bfloat16")),
+                                ("norm.weight", TensorPlan("n", (h,), "bfloat16"))]
+        shapes = {"self_attn.qkv": (cfg.q_size + 2 * cfg.kv_size, h), "self_attn.o_proj": (h, cfg.q_size),
+                  "mlp.gate_up": (2 * cfg.intermediate_size, h), "mlp.down": (h, cfg.intermediate_size)}
+        for i in range(cfg.num_hidden_layers):
+            for name, (n, k) in shapes.items():
+                linears.append((f"layers.{i}.{name}", LinearPlan("fp8", (name,), k, (n,), n, "float8_e4m3fn",
+                                                                  input_scale=x_scale, epilogue=epilogue)))
+                fp8_arrays[f"layers.{i}.{name}.weight"] = self.fp8(n, k)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                tensors.append((f"layers.{i}.{norm}.weight", TensorPlan(norm, (h,), "bfloat16")))
+                fp8_arrays[f"layers.{i}.{norm}.weight"] = jnp.ones((h,), jnp.bfloat16)
+        head = ("lm_head", LinearPlan("unquantized", ("lm_head",), h, (cfg.vocab_size,), cfg.vocab_size, "bfloat16",
+                                      out_dtype="float32"))
+        fp8_plan = ModelPlan("llama", "bfloat16", "auto", 1, tuple(linears) + (head,), tuple(tensors), None)
+        bf16_plan = dataclasses.replace(fp8_plan, linears=tuple(
+            (path, dataclasses.replace(lp, scheme="unquantized", weight_dtype="bfloat16", input_scale=None,
+                                       epilogue=None)) for path, lp in linears) + (head,))
+        bf16_arrays = {k: (v.astype(jnp.float32) * w_scale).astype(jnp.bfloat16) if v.dtype == jnp.float8_e4m3fn else v
+                       for k, v in fp8_arrays.items()}
+        kv = KVCacheSpec.resolve("auto", None, jnp.bfloat16, cfg.num_hidden_layers)
+        return (build_model(cfg, fp8_plan, [fp8_arrays], kv_cache=kv), build_model(cfg, bf16_plan, [bf16_arrays], kv_cache=kv))
 
 
 def weight_bytes(model) -> int:
     """Weight bytes one device reads per decode step (its shards; one embedding row, not the table)."""
     from flax import nnx
 
-    if hasattr(model, "state"):  # TensorParallelModel: this device's shards, embedding replicated
-        leaves = jax.tree_util.tree_leaves(model.state)
-        per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves if hasattr(x, "addressable_shards"))
-        cfg = model.config
-        return per_device - cfg.vocab_size * cfg.hidden_size * jnp.dtype(model.dtype).itemsize
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)) if x is not None) - \
-        model.embed_tokens.table.nbytes
+    leaves = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    return per_device - model.embed_tokens.table[...].addressable_shards[0].data.nbytes
 
 
 def bench_model(label, model, batches, prompt, new, prefill_len, max_len):
@@ -135,7 +134,7 @@ def bench_model(label, model, batches, prompt, new, prefill_len, max_len):
     decode = jax.jit(decode, donate_argnums=(1,))
     for b in batches:
         ids = jax.random.randint(jax.random.PRNGKey(b), (b, prompt), 3, model.config.vocab_size, jnp.int32)
-        cache = init_cache(model, b, max_len, "bfloat16")
+        cache = model.init_cache(b, max_len)
         t0 = time.perf_counter()
         tok, cache = prefill(state, cache, ids)
         tok.block_until_ready()
@@ -155,12 +154,12 @@ def bench_model(label, model, batches, prompt, new, prefill_len, max_len):
         del cache
     if prefill_len:
         ids = jax.random.randint(jax.random.PRNGKey(7), (1, prefill_len), 3, model.config.vocab_size, jnp.int32)
-        cache = init_cache(model, 1, prefill_len, "bfloat16")
+        cache = model.init_cache(1, prefill_len)
         tok, cache = prefill(state, cache, ids)  # compile
         tok.block_until_ready()
         times = []
         for _ in range(3):
-            cache = init_cache(model, 1, prefill_len, "bfloat16")
+            cache = model.init_cache(1, prefill_len)
             t0 = time.perf_counter()
             tok, cache = prefill(state, cache, ids)
             tok.block_until_ready()
@@ -190,7 +189,7 @@ def main():
 
         sizes = [int(n) for n in args.tensor_parallel.split(",")]
         models = {("fp8" if sizes == [1] else f"tp{n}"): modelopt_jax.load(
-            args.checkpoint, dtype="bfloat16", mesh=make_mesh(n) if n > 1 else None) for n in sizes}
+            args.checkpoint, dtype="bfloat16", kv_cache_dtype="bfloat16", mesh=make_mesh(n) if n > 1 else None) for n in sizes}
     else:
         fp8, bf16 = RandomModels(config_for(PRESETS[args.preset], max(max_len, args.prefill))).build()
         models = {"fp8": fp8, "bf16": bf16}

@@ -72,7 +72,7 @@ t0 = time.perf_counter()
 out = np.asarray(fwd(state, ids), np.float64)
 t_compile = time.perf_counter() - t0
 print("RESULT " + json.dumps({
-    "mode": mode, "source": getattr(model, "weight_cache_source", "disk"),
+    "mode": mode, "source": model.info.weights,
     "jax_startup_s": t_jax - t_start, "import_modelopt_s": t_import - t_jax, "load_s": t_ready - t_import,
     "ready_s": t_ready - t_start, "first_forward_s": t_compile,
     "allocator_growth_bytes": (stats1.get("bytes_in_use", 0) - stats0.get("bytes_in_use", 0)) if stats1 else None,

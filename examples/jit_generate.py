@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from tokenizers import Tokenizer
 
 import modelopt_jax
-from modelopt_jax.greedy import eos_ids
+from modelopt_jax.checkpoint.hf_config import eos_ids
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", help="checkpoint directory (default: the embedded qwen2-bytes-fp8 demo)")

@@ -21,11 +21,12 @@ from modelopt_jax.demo import demo_checkpoint_path  # noqa: E402
 from modelopt_jax.generation import make_cached_forward  # noqa: E402
 from modelopt_jax.kv_cache import KVCache, init_cache  # noqa: E402
 from modelopt_jax.llm import LLM, RequestOutput  # noqa: E402
-from modelopt_jax.loader import load  # noqa: E402
+from modelopt_jax.loader import WeightCacheOptions, load  # noqa: E402
+from modelopt_jax import parallel  # noqa: E402,F401  (make_mesh after a plain `import modelopt_jax`)
 from modelopt_jax.ops import fp8_gemm  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["load", "LLM", "SamplingParams", "RequestOutput", "make_cached_forward", "init_cache", "KVCache",
+__all__ = ["load", "WeightCacheOptions", "LLM", "SamplingParams", "RequestOutput", "make_cached_forward", "init_cache", "KVCache",
            "errors", "fp8_gemm", "demo_checkpoint_path", "__version__"]

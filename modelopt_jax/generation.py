@@ -1,7 +1,7 @@
 """The public, jit-compatible cached forward, for users who write their own generation loops.
 
     forward, state = modelopt_jax.make_cached_forward(model)
-    cache = modelopt_jax.init_cache(model, batch=1, max_len=256)
+    cache = modelopt_jax.init_cache(model, batch=1, max_len=256)  # = model.init_cache(1, 256)
     logits, cache = forward(state, ids, positions, cache)          # prefill: ids [B, T]
     logits, cache = forward(state, next_ids, next_positions, cache)  # decode: ids [B, 1]
 
@@ -23,15 +23,13 @@ def make_cached_forward(model: nnx.Module, *, jit: bool = False):
     """``(forward, state)`` with ``forward(state, ids, positions, cache, logit_positions=None)``.
 
     ``positions`` [B, T] are absolute token positions (< cache.max_len); ``logit_positions`` [B]
-    optionally selects one token per row to compute logits for. Returns ``(logits, cache)``.
+    optionally selects one token per row to compute logits for. Returns ``(logits, cache)``. A
+    model loaded over a mesh runs under ``shard_map`` inside (its ``forward_cached`` does that).
     """
-    if hasattr(model, "cached_forward_fn"):  # TensorParallelModel: the same function under shard_map
-        forward, state = model.cached_forward_fn()
-    else:
-        graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(model)
 
-        def forward(state, ids, positions, cache: KVCache, logit_positions=None):
-            return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, logit_positions)
+    def forward(state, ids, positions, cache: KVCache, logit_positions=None):
+        return nnx.merge(graphdef, state).forward_cached(ids, positions, cache, logit_positions)
 
     if jit:
         forward = jax.jit(forward, donate_argnums=(3,))

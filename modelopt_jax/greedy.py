@@ -8,8 +8,6 @@ O(T^2) per token and exists for reference checks (teacher forcing); KV-cached ge
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Sequence
 
 import jax
@@ -58,15 +56,3 @@ def greedy_continue(model: nnx.Module, prompt_ids: Sequence[int], max_new_tokens
         ids[0, n] = token
         n += 1
     return out
-
-
-def eos_ids(checkpoint_dir: str) -> list[int]:
-    """EOS ids from generation_config.json, else config.json (either may hold an int or a list)."""
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(checkpoint_dir, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
-            if value is not None:
-                return list(value) if isinstance(value, list) else [int(value)]
-    return []

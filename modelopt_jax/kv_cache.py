@@ -1,12 +1,17 @@
-"""The KV cache: one preallocated key and value buffer per layer, a pytree that jit can donate.
+"""The KV cache: what it stores (:class:`KVCacheSpec`, decided once per model) and its buffers.
+
+``kv_cache_dtype`` is resolved once, at load, into a :class:`KVCacheSpec` that the model keeps;
+each attention layer keeps its :class:`LayerKVSpec`. The cached forward writes through
+:meth:`KVBuffer.write` and reads through :meth:`KVBuffer.read`; the cache-less forward applies
+:meth:`LayerKVSpec.round_trip`, which is the same quantize-then-dequantize, so the two paths see the
+same key/value numbers whatever the spec says.
 
 Layout per layer: [batch, max_len, kv_heads, head_dim]. A sequence's token at position p lives at
 index p of its own row, so sequences of different lengths share one cache without padding masks:
 attention reads keys 0..p (causal), and slots past a sequence's length hold nothing it will read.
 
 FP8 caches store float8_e4m3fn codes with per-layer static scales (ModelOpt's k_scale/v_scale):
-code = e4m3(RNE(clamp(k / k_scale))) and the attention reads code * k_scale, bit-for-bit the
-rounding the cache-less forward applies, so cached and uncached logits agree.
+code = e4m3(RNE(clamp(k / k_scale))) and the attention reads code * k_scale.
 """
 
 from __future__ import annotations
@@ -17,21 +22,133 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
-FLOAT_NAMES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+from modelopt_jax.dtypes import COMPUTE_DTYPES, kv_cache_dtype_name
+from modelopt_jax.ops.quantize import dequantize_static, quantize_static
+
+FP8 = "float8_e4m3fn"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKVSpec:
+    """One attention layer's cache: storage dtype and, for FP8, its static k/v scales."""
+
+    dtype: str                     # storage dtype name
+    k_scale: float | None = None   # FP8 only
+    v_scale: float | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8
+
+    def round_trip(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """k, v as the cache would give them back (the cache-less forward's view of the cache)."""
+        if not self.is_fp8:
+            return k, v
+        return (dequantize_static(quantize_static(k, self.k_scale), self.k_scale, k.dtype),
+                dequantize_static(quantize_static(v, self.v_scale), self.v_scale, v.dtype))
+
+    def buffers(self, shape, sharding=None) -> tuple["KVBuffer", "KVBuffer"]:
+        zeros = lambda: jnp.zeros(shape, jnp.dtype(self.dtype), device=sharding)  # noqa: E731
+        return KVBuffer(zeros(), self.k_scale), KVBuffer(zeros(), self.v_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """The model's KV cache, resolved once from ``kv_cache_dtype`` and the checkpoint's scales."""
+
+    requested: str                                   # what was asked: "auto", "fp8", "bfloat16", ...
+    layers: tuple[LayerKVSpec, ...]
+
+    @property
+    def dtype(self) -> str:
+        return self.layers[0].dtype if self.layers else "float32"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8
+
+    @property
+    def scales(self) -> tuple[tuple[float, float], ...] | None:
+        return tuple((s.k_scale, s.v_scale) for s in self.layers) if self.is_fp8 else None
+
+    @staticmethod
+    def resolve(kv_cache_dtype: str, checkpoint_scales: tuple[tuple[float, float], ...] | None, compute_dtype,
+                num_layers: int) -> "KVCacheSpec":
+        """``"auto"``: FP8 when the checkpoint has an FP8 KV cache (its scales), else the compute dtype.
+
+        ``"fp8"`` on a checkpoint without k/v scales uses scale 1.0 (as vLLM does) and warns, once,
+        here; both forwards then round with scale 1.0.
+        """
+        name = kv_cache_dtype_name(kv_cache_dtype)
+        if name == "auto":
+            name = "fp8" if checkpoint_scales is not None else jnp.dtype(compute_dtype).name
+        if name == "fp8":
+            if checkpoint_scales is None:
+                warnings.warn("kv_cache_dtype='fp8' but the checkpoint has no k_scale/v_scale: using scale 1.0, "
+                              "which can clip or lose precision", stacklevel=3)
+                checkpoint_scales = ((1.0, 1.0),) * num_layers
+            layers = tuple(LayerKVSpec(FP8, float(k), float(v)) for k, v in checkpoint_scales)
+        else:
+            layers = (LayerKVSpec(jnp.dtype(COMPUTE_DTYPES[name]).name),) * num_layers
+        return KVCacheSpec(str(kv_cache_dtype), layers)
+
+
+@dataclasses.dataclass
+class KVBuffer:
+    """One layer's keys (or values): the stored array plus the static scale to read FP8 codes with."""
+
+    data: jax.Array               # [batch, max_len, kv_heads, head_dim]
+    scale: float | None = None    # FP8 codes: value = code * scale
+
+    def write(self, rows: jax.Array, positions: jax.Array, x: jax.Array) -> "KVBuffer":
+        """``x`` [B, T, kv_heads, head_dim] stored at ``positions`` [B, T] of each row (quantized if FP8)."""
+        stored = quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
+        return KVBuffer(self.data.at[rows, positions].set(stored), self.scale)
+
+    def read(self, dtype) -> jax.Array:
+        if self.scale is not None:
+            return dequantize_static(self.data, self.scale, dtype)
+        return self.data.astype(dtype)
+
+    # array-like views, for inspection
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def sharding(self):
+        return self.data.sharding
+
+    @property
+    def addressable_shards(self):
+        return self.data.addressable_shards
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+jax.tree_util.register_dataclass(KVBuffer, data_fields=["data"], meta_fields=["scale"])
 
 
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer key/value buffers plus the static facts needed to read them."""
+    """Per-layer key and value buffers; a pytree that jit can donate."""
 
-    keys: list[jax.Array]
-    values: list[jax.Array]
-    scales: tuple[tuple[float, float], ...] | None = None  # per layer (k_scale, v_scale) when FP8
+    keys: list[KVBuffer]
+    values: list[KVBuffer]
 
     @property
     def is_fp8(self) -> bool:
-        return self.scales is not None
+        return self.keys[0].scale is not None
+
+    @property
+    def scales(self) -> tuple[tuple[float, float], ...] | None:
+        return tuple((k.scale, v.scale) for k, v in zip(self.keys, self.values)) if self.is_fp8 else None
 
     @property
     def max_len(self) -> int:
@@ -46,44 +163,13 @@ class KVCache:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
-jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_fields=["scales"])
+jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_fields=[])
 
 
-def resolve_cache_dtype(kv_cache_dtype: str, model) -> tuple[jnp.dtype, tuple[tuple[float, float], ...] | None]:
-    """``"auto"`` is FP8 when the checkpoint has an FP8 KV cache (its scales), else the compute dtype.
+def init_cache(model, batch: int, max_len: int) -> KVCache:
+    """A zeroed cache for ``batch`` sequences of up to ``max_len`` tokens: ``model.init_cache``.
 
-    Forcing ``"fp8"`` on a checkpoint without k/v scales uses scale 1.0 (as vLLM does) and warns.
+    What it stores (bf16 or FP8 codes) was decided when the model was loaded
+    (``load(..., kv_cache_dtype=...)``, ``LLM(..., kv_cache_dtype=...)``).
     """
-    layers = model.layers
-    checkpoint_scales = [layer.self_attn.kv_scales for layer in layers]
-    has_scales = all(s is not None for s in checkpoint_scales)
-    name = str(kv_cache_dtype).lower()
-    if name == "auto":
-        if has_scales:
-            return jnp.dtype(jnp.float8_e4m3fn), tuple(checkpoint_scales)
-        return jnp.dtype(model.dtype), None
-    if name in FP8_NAMES:
-        if not has_scales:
-            warnings.warn("kv_cache_dtype='fp8' but the checkpoint has no k_scale/v_scale: using scale 1.0, "
-                          "which can clip or lose precision", stacklevel=3)
-            return jnp.dtype(jnp.float8_e4m3fn), tuple((1.0, 1.0) for _ in layers)
-        return jnp.dtype(jnp.float8_e4m3fn), tuple(checkpoint_scales)
-    if name in FLOAT_NAMES:
-        return jnp.dtype(FLOAT_NAMES[name]), None
-    raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not supported; choose 'auto', 'fp8', "
-                     f"{', '.join(map(repr, FLOAT_NAMES))}")
-
-
-def init_cache(model, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> KVCache:
-    """A zeroed cache for ``batch`` sequences of up to ``max_len`` tokens (prompt + generated)."""
-    cfg = model.config
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
-                         f"({cfg.max_position_embeddings})")
-    dtype, scales = resolve_cache_dtype(kv_cache_dtype, model)
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    n = cfg.num_hidden_layers
-    # A tensor-parallel model splits the cache by KV head, like its attention.
-    sharding = model.cache_sharding() if hasattr(model, "cache_sharding") else None
-    zeros = lambda: jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
-    return KVCache([zeros() for _ in range(n)], [zeros() for _ in range(n)], scales)
+    return model.init_cache(batch, max_len)

@@ -1,7 +1,10 @@
 """Flax NNX dense layers: FP8 (per-tensor, per-channel/per-token, block weight-only) and plain.
 
-Weights are NNX ``Param``s (device arrays, in the checkpoint's storage dtype). Scales are static
-attributes -- Python floats or :class:`StaticArray` -- so ``nnx.split`` leaves them in the graph
+Every layer is built from its plan (:mod:`modelopt_jax.quant.plan`) with zero-filled parameters,
+under ``nnx.eval_shape`` so no memory is touched; the loader then fills the state. Weights are NNX
+``Param``s in the checkpoint's storage dtype, each tagged with the axis tensor parallelism splits
+(``tp_axis``). Scales are static attributes (the plan's epilogue: Python floats or
+:class:`~modelopt_jax.static_array.StaticArray`), so ``nnx.split`` leaves them in the graph
 definition and ``jax.jit`` compiles them in as constants; they are never jit arguments.
 ``dtype`` is the compute dtype and, unless ``out_dtype`` says otherwise, the output dtype (the lm_head
 writes float32 logits: rounding logits of magnitude ~20 to bf16 would cost ~0.1). Storage dtypes
@@ -17,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from modelopt_jax.ops.gemm import fp8_gemm
+from modelopt_jax.ops.gemm import scaled_fp8_gemm
 from modelopt_jax.ops.quantize import dequantize_blockwise, quantize_per_token, quantize_static
-from modelopt_jax.static_array import StaticArray
+from modelopt_jax.quant.plan import COLUMN, ROW, LinearPlan, TensorPlan
 
 
 def _precision(dtype) -> jax.lax.Precision:
@@ -38,8 +41,9 @@ def _reduce(y: jax.Array, bias: jax.Array | None, axis: str, out_dtype) -> jax.A
 class ScaleVector(nnx.Variable):
     """A per-output-channel weight scale held as device data instead of a compile-time constant.
 
-    Only used under tensor parallelism, where each device's slice of a column-parallel layer has
-    different per-channel scales (a constant must be the same on every device).
+    Only used under tensor parallelism (the plan's ``epilogue.col_is_data``), where each device's
+    slice of a column-parallel layer has different per-channel scales (a constant must be the same
+    on every device).
     """
 
 
@@ -60,15 +64,29 @@ def _dense_layer(x, w, bias_param, dtype, out_dtype, reduce_axis: str | None) ->
     return _dense(x, w, bias, dtype, out_dtype)
 
 
+def _param(shape, dtype, tp_axis: int | None, variable=nnx.Param) -> nnx.Variable:
+    """A zero-filled parameter (the loader fills it; modules are built under ``nnx.eval_shape``).
+
+    ``tp_axis`` is the array axis split over the tensor-parallel mesh axis (None: replicated): the
+    one piece of sharding information, read by :func:`modelopt_jax.parallel.state_specs`.
+    """
+    return variable(jnp.zeros(tuple(shape), jnp.dtype(dtype)), tp_axis=tp_axis)
+
+
+def _split_axes(role: str) -> tuple[int | None, int | None]:
+    """(weight axis, bias axis) split over the mesh for a tensor-parallel role."""
+    return {COLUMN: (0, 0), ROW: (1, None)}.get(role, (None, None))
+
+
 class Linear(nnx.Module):
     """Unquantized dense layer (modules excluded from quantization keep the checkpoint dtype)."""
 
-    def __init__(self, weight: jax.Array, bias: jax.Array | None = None, *, dtype=jnp.bfloat16, out_dtype=None,
-                 reduce_axis: str | None = None):
-        self.weight = nnx.Param(weight)
-        self.bias = nnx.Param(bias) if bias is not None else None
+    def __init__(self, plan: LinearPlan, *, dtype=jnp.bfloat16, reduce_axis: str | None = None):
+        w_axis, b_axis = _split_axes(plan.role)
+        self.weight = _param((plan.padded_out, plan.in_features), plan.weight_dtype, w_axis)
+        self.bias = _param((plan.padded_out,), plan.bias_dtype, b_axis) if plan.bias_dtype else None
         self.dtype = jnp.dtype(dtype)
-        self.out_dtype = jnp.dtype(out_dtype or dtype)
+        self.out_dtype = jnp.dtype(plan.out_dtype or dtype)
         self.reduce_axis = reduce_axis  # tensor parallelism: psum partial outputs over this mesh axis
 
     @property
@@ -80,33 +98,32 @@ class Linear(nnx.Module):
 
 
 class Fp8Linear(nnx.Module):
-    """FP8 weight [N, K] x FP8 activation, through :func:`modelopt_jax.ops.fp8_gemm`.
+    """FP8 weight [N, K] x FP8 activation, through :func:`modelopt_jax.ops.gemm.scaled_fp8_gemm`.
 
-    ``input_scale`` is a float for static per-tensor activation scales (quant_algo ``FP8``) or
-    ``None`` for dynamic per-token scales (``FP8_PER_CHANNEL_PER_TOKEN``). ``weight_scale`` is a
-    float or a length-N ``StaticArray`` (per-channel weights, or a fused layer whose shards had
-    different per-tensor scales). ``shard_sizes`` records the output widths of fused shards.
-    ``logical_out`` < N means the weight rows were zero-padded at load time (GEMM kernels want N
-    in multiples of 16); outputs are sliced back to the logical width. Under tensor parallelism
-    ``weight_scale`` may be a :class:`ScaleVector` and ``reduce_axis`` names the mesh axis that
-    row-parallel partial outputs are summed over.
+    Static facts come from the plan: ``input_scale`` (a float for static per-tensor activation
+    scales, quant_algo ``FP8``; None for dynamic per-token scales) and ``epilogue`` (alpha, the
+    per-channel vector as a constant, or ``col_scale`` as a state leaf under tensor parallelism).
+    ``logical_out`` < N means the weight rows were zero-padded at load time; outputs are sliced
+    back to the logical width. ``reduce_axis`` names the mesh axis that row-parallel partial
+    outputs are summed over.
     """
 
-    def __init__(self, weight: jax.Array, *, weight_scale: float | StaticArray, input_scale: float | None,
-                 bias: jax.Array | None = None, dtype=jnp.bfloat16, backend: str = "auto",
-                 shard_sizes: Sequence[int] = (), out_dtype=None, logical_out: int | None = None,
+    def __init__(self, plan: LinearPlan, *, dtype=jnp.bfloat16, backend: str = "auto",
                  reduce_axis: str | None = None):
-        if weight.dtype != jnp.float8_e4m3fn:
-            raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {weight.dtype}")
-        self.weight = nnx.Param(weight)
-        self.bias = nnx.Param(bias) if bias is not None else None
-        self.weight_scale = weight_scale
-        self.input_scale = input_scale
+        if plan.weight_dtype != "float8_e4m3fn":
+            raise TypeError(f"Fp8Linear needs a float8_e4m3fn weight, got {plan.weight_dtype}")
+        w_axis, b_axis = _split_axes(plan.role)
+        self.weight = _param((plan.padded_out, plan.in_features), plan.weight_dtype, w_axis)
+        self.bias = _param((plan.padded_out,), plan.bias_dtype, b_axis) if plan.bias_dtype else None
+        self.col_scale = (_param((plan.padded_out,), jnp.float32, w_axis, ScaleVector)
+                          if plan.epilogue.col_is_data else None)
+        self.epilogue = plan.epilogue
+        self.input_scale = plan.input_scale
         self.dtype = jnp.dtype(dtype)
-        self.out_dtype = jnp.dtype(out_dtype or dtype)
+        self.out_dtype = jnp.dtype(plan.out_dtype or dtype)
         self.backend = backend
-        self.logical_out = int(logical_out or weight.shape[0])
-        self.shard_sizes = tuple(shard_sizes) or (self.logical_out,)
+        self.logical_out = plan.out_features
+        self.shard_sizes = tuple(plan.shard_sizes)
         self.reduce_axis = reduce_axis
 
     @property
@@ -114,14 +131,14 @@ class Fp8Linear(nnx.Module):
         return self.logical_out
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.input_scale is None:
-            x_q, x_scale = quantize_per_token(x)
+        if self.epilogue.per_token:
+            x_q, row = quantize_per_token(x)
         else:
-            x_q, x_scale = quantize_static(x, self.input_scale), self.input_scale
-        w_scale = self.weight_scale[...] if isinstance(self.weight_scale, nnx.Variable) else self.weight_scale
+            x_q, row = quantize_static(x, self.input_scale), None
         bias = None if self.bias is None else self.bias[...]
-        y = fp8_gemm(x_q, self.weight[...], x_scale=x_scale, w_scale=w_scale,
-                     bias=None if self.reduce_axis else bias, out_dtype=self.out_dtype, backend=self.backend)
+        col = None if self.col_scale is None else self.col_scale[...]
+        y = scaled_fp8_gemm(x_q, self.weight[...], self.epilogue, row=row, col=col,
+                            bias=None if self.reduce_axis else bias, out_dtype=self.out_dtype, backend=self.backend)
         if self.reduce_axis:
             y = _reduce(y, bias, self.reduce_axis, self.out_dtype)
         return y if self.logical_out == y.shape[-1] else y[..., :self.logical_out]
@@ -134,15 +151,15 @@ class BlockFp8Linear(nnx.Module):
     the dot, so device memory holds FP8 codes only.
     """
 
-    def __init__(self, weight: jax.Array, *, block_scales: StaticArray, bias: jax.Array | None = None,
-                 dtype=jnp.bfloat16, block: int = 128, out_dtype=None, reduce_axis: str | None = None):
-        self.weight = nnx.Param(weight)
-        self.bias = nnx.Param(bias) if bias is not None else None
+    def __init__(self, plan: LinearPlan, *, dtype=jnp.bfloat16, block: int = 128, reduce_axis: str | None = None):
+        w_axis, b_axis = _split_axes(plan.role)
+        self.weight = _param((plan.padded_out, plan.in_features), plan.weight_dtype, w_axis)
+        self.bias = _param((plan.padded_out,), plan.bias_dtype, b_axis) if plan.bias_dtype else None
         self.reduce_axis = reduce_axis
-        self.block_scales = block_scales
+        self.block_scales = plan.block_scales
         self.block = block
         self.dtype = jnp.dtype(dtype)
-        self.out_dtype = jnp.dtype(out_dtype or dtype)
+        self.out_dtype = jnp.dtype(plan.out_dtype or dtype)
 
     @property
     def out_features(self) -> int:
@@ -161,7 +178,7 @@ class ConcatLinear(nnx.Module):
     """
 
     def __init__(self, parts: Sequence[nnx.Module]):
-        self.parts = nnx.List(parts) if hasattr(nnx, "List") else list(parts)
+        self.parts = nnx.List(parts)
 
     @property
     def out_features(self) -> int:
@@ -174,8 +191,8 @@ class ConcatLinear(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm as Hugging Face computes it: normalize in float32, cast, then scale by the weight."""
 
-    def __init__(self, weight: jax.Array, *, eps: float, dtype=jnp.bfloat16):
-        self.weight = nnx.Param(weight)
+    def __init__(self, plan: TensorPlan, *, eps: float, dtype=jnp.bfloat16):
+        self.weight = _param(plan.shape, plan.dtype, None)
         self.eps = float(eps)
         self.dtype = jnp.dtype(dtype)
 
@@ -188,8 +205,8 @@ class RMSNorm(nnx.Module):
 class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden] in the checkpoint dtype; can also act as a tied lm_head."""
 
-    def __init__(self, table: jax.Array, *, dtype=jnp.bfloat16):
-        self.table = nnx.Param(table)
+    def __init__(self, plan: TensorPlan, *, dtype=jnp.bfloat16):
+        self.table = _param(plan.shape, plan.dtype, None)
         self.dtype = jnp.dtype(dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:

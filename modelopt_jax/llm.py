@@ -23,9 +23,8 @@ from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.demo import demo_checkpoint_path
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.generation import make_cached_forward
-from modelopt_jax.greedy import eos_ids
-from modelopt_jax.kv_cache import init_cache, resolve_cache_dtype
-from modelopt_jax.loader import load
+from modelopt_jax.checkpoint.hf_config import eos_ids
+from modelopt_jax.loader import WeightCacheOptions, load
 from modelopt_jax.sampling import SamplingParams, sample, token_logprobs
 
 QUANTIZATIONS = ("modelopt", None)
@@ -101,9 +100,9 @@ class LLM:
             raise ValueError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
         self.path = os.fspath(model) if model is not None else demo_checkpoint_path()
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
+        ckpt = Checkpoint.open(self.path)  # opened once: load() takes it from here
         if quantization == "modelopt":
-            qc = Checkpoint.open(self.path, check_quantization=False).quant_config
-            if not qc.is_quantized:
+            if not ckpt.quant_config.is_quantized:
                 raise ConfigError(f"{self.path}: quantization='modelopt' but this is not a ModelOpt checkpoint "
                                   f"(no hf_quant_config.json, no quantization_config with quant_method 'modelopt'); "
                                   f"pass quantization=None to load it unquantized")
@@ -113,8 +112,9 @@ class LLM:
 
             mesh = make_mesh(tensor_parallel_size)
         t0 = time.perf_counter()
-        self.model = load(self.path, dtype=dtype, backend=backend, mesh=mesh, weight_cache=weight_cache,
-                          weight_cache_dir=weight_cache_dir, weight_cache_timeout=weight_cache_timeout)
+        self.model = load(ckpt, dtype=dtype, backend=backend, mesh=mesh, kv_cache_dtype=kv_cache_dtype,
+                          weight_cache=WeightCacheOptions(weight_cache, None if weight_cache_dir is None else
+                                                          os.fspath(weight_cache_dir), weight_cache_timeout))
         self.load_seconds = time.perf_counter() - t0
         cfg = self.model.config
         limit = cfg.max_position_embeddings
@@ -123,7 +123,6 @@ class LLM:
             raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
                              f"(the model's max_position_embeddings)")
         self.kv_cache_dtype = kv_cache_dtype
-        resolve_cache_dtype(kv_cache_dtype, self.model)  # validate now, not at the first generate
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.eos_token_ids = eos_ids(self.path)
         self._forward, self._state = make_cached_forward(self.model)
@@ -233,7 +232,7 @@ class LLM:
         stop = [set(q.stop_token_ids) | (set() if q.ignore_eos else set(self.eos_token_ids)) for q in params]
         budget = [min(q.max_tokens, self.max_model_len - len(ids_)) for q, (_, ids_) in zip(params, encoded)]
 
-        cache = init_cache(self.model, b, self.max_model_len, self.kv_cache_dtype)
+        cache = self.model.init_cache(b, self.max_model_len)
         step_keys = lambda step: jax.vmap(jax.random.fold_in, (0, None))(row_keys, step)  # noqa: E731
         t0 = time.perf_counter()
         tokens, (chosen, top_v, top_i), prompt_lp, cache = self._prefill(

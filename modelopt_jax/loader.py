@@ -1,170 +1,101 @@
 """``load(path)``: a checked checkpoint directory in, a ready NNX model out.
 
-The loader streams the checkpoint: each (fused) layer's tensors are read, checked, fused and put
-on the device before the next layer is read, so peak host memory stays near one copy of the
-weights. Anything the model did not consume is reported, never silently dropped.
+The stages are :mod:`modelopt_jax.pipeline`'s: open the checkpoint once, plan every layer from
+headers and scales, get the processed arrays from a provider (the disk, or a weight-cache daemon
+chosen up front with fallback to the disk in ``auto`` mode), build the model around them, and
+report anything in the checkpoint the model did not consume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import warnings
-from typing import Sequence
 
-import jax.numpy as jnp
-from flax import nnx
-
+from modelopt_jax import parallel, pipeline
 from modelopt_jax.checkpoint import Checkpoint
-from modelopt_jax.errors import CheckpointError, ConfigError, MissingTensorError
-from modelopt_jax.layers import Embedding, RMSNorm
+from modelopt_jax.dtypes import compute_dtype, kv_cache_dtype_name
+from modelopt_jax.errors import CheckpointError, ConfigError, WeightCacheError
+from modelopt_jax.kv_cache import KVCacheSpec
 from modelopt_jax.ops.gemm import check_backend
-from modelopt_jax.quant.schemes import FLOAT_DTYPES, SCHEMES, _read_checked, _read_scale, _to_device
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-KV_SCALE_NAMES = {  # where exporters put the FP8 KV-cache scales, in order of preference
-    "k": ("k_proj.k_scale", "k_scale", "kv_scale", "k_proj.kv_scale"),
-    "v": ("v_proj.v_scale", "v_scale", "kv_scale", "v_proj.kv_scale"),
-}
-IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+WEIGHT_CACHE_MODES = ("off", "auto", "require")
 
 
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype {dtype!r} not supported; choose one of {', '.join(DTYPES)}")
-        return jnp.dtype(DTYPES[dtype])
-    d = jnp.dtype(dtype)
-    if d not in [jnp.dtype(v) for v in DTYPES.values()]:
-        raise ConfigError(f"dtype {d} not supported; choose one of {', '.join(DTYPES)}")
-    return d
+@dataclasses.dataclass(frozen=True)
+class WeightCacheOptions:
+    """How ``load`` uses a weight-cache daemon (see :mod:`modelopt_jax.weight_cache`)."""
+
+    mode: str = "off"                  # "off", "auto" (attach or load from disk) or "require"
+    socket_dir: str | None = None      # default: $MODELOPT_JAX_WEIGHT_CACHE_DIR or a per-user directory
+    timeout: float | None = None       # how long "require" waits for a daemon still loading (default 60 s)
+    device: int = 0                    # local device whose daemon serves a single-device model
+
+    def __post_init__(self):
+        if self.mode not in WEIGHT_CACHE_MODES:
+            raise ConfigError(f"weight_cache={self.mode!r} not supported; use one of {', '.join(WEIGHT_CACHE_MODES)}")
 
 
-class CheckpointWeights:
-    """Implements the models' WeightSource over an opened :class:`Checkpoint`."""
-
-    def __init__(self, ckpt: Checkpoint, *, dtype, backend: str):
-        self.ckpt = ckpt
-        self.dtype = dtype
-        self.backend = backend
-        self.quant = ckpt.quant_config
-
-    def scheme_for(self, prefixes: Sequence[str]):
-        if not self.quant.is_quantized:
-            return SCHEMES[None]
-        excluded = {p: self.quant.exclusion_rule(p) for p in prefixes}
-        if len({rule is None for rule in excluded.values()}) > 1:
-            detail = ", ".join(f"{p}: {'excluded by ' + r if r else 'quantized'}" for p, r in excluded.items())
-            raise ConfigError(
-                f"{' and '.join(self.quant.sources)}: the fused layer made of {', '.join(prefixes)} mixes "
-                f"excluded and quantized shards ({detail}); they must be quantized (or excluded) together")
-        return SCHEMES[None] if next(iter(excluded.values())) else SCHEMES[self.quant.quant_algo]
-
-    def linear(self, prefixes, in_features, out_features, bias, *, out_dtype=None) -> nnx.Module:
-        scheme = self.scheme_for(prefixes)
-        shards = [scheme.read(self.ckpt, p, n, in_features, bias) for p, n in zip(prefixes, out_features)]
-        return scheme.build(shards, dtype=self.dtype, backend=self.backend, out_dtype=out_dtype)
-
-    def embedding(self, name, vocab, hidden) -> Embedding:
-        table = _read_checked(self.ckpt, f"{name}.weight", FLOAT_DTYPES, [(vocab, hidden)], "embedding table")
-        return Embedding(_to_device(table), dtype=self.dtype)
-
-    def norm(self, name, size, eps) -> RMSNorm:
-        weight = _read_checked(self.ckpt, f"{name}.weight", FLOAT_DTYPES, [(size,)], "RMSNorm weight")
-        return RMSNorm(_to_device(weight), eps=eps, dtype=self.dtype)
-
-    def kv_scales(self, attn_prefix) -> tuple[float, float] | None:
-        if self.quant.kv_cache_quant_algo is None:
-            return None
-        scales = []
-        for which, candidates in KV_SCALE_NAMES.items():
-            name = next((f"{attn_prefix}.{c}" for c in candidates if self.ckpt.has(f"{attn_prefix}.{c}")), None)
-            if name is None:
-                raise MissingTensorError(
-                    f"{self.ckpt.directory}: kv_cache_quant_algo is FP8 but {attn_prefix} has no {which}_scale "
-                    f"(looked for {', '.join(attn_prefix + '.' + c for c in candidates)})")
-            scales.append(float(_read_scale(self.ckpt, name, [(), (1,)], f"FP8 KV-cache {which} scale").reshape(())))
-        return scales[0], scales[1]
-
-    def tied_lm_head_ignored(self, name) -> None:
-        if self.ckpt.has(name):
-            self.ckpt.consumed.add(name)  # HF ignores lm_head.weight when embeddings are tied
-
-
-def _check_leftovers(ckpt: Checkpoint) -> None:
-    left = [n for n in ckpt.unconsumed() if not n.endswith(IGNORABLE_SUFFIXES)]
-    kv_only = [n for n in left if n.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "kv_scale")]
-    if kv_only and ckpt.quant_config.kv_cache_quant_algo is None:
-        warnings.warn(f"{ckpt.directory}: {len(kv_only)} FP8 KV-cache scales (e.g. {kv_only[0]}) are present but "
-                      f"kv_cache_quant_algo is null; the KV cache is not quantized", stacklevel=3)
-        left = [n for n in left if n not in kv_only]
-    if left:
-        shown = ", ".join(left[:8]) + (f", ... ({len(left)} in all)" if len(left) > 8 else "")
-        raise CheckpointError(
-            f"{ckpt.directory}: tensors not used by {ckpt.model_config.architecture} as configured in config.json: "
-            f"{shown}; the checkpoint does not match its config")
-
-
-def load(path: str | os.PathLike, *, dtype="bfloat16", backend: str = "auto", mesh=None,
-         weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
+def load(path: str | os.PathLike | Checkpoint, *, dtype="bfloat16", backend: str = "auto", mesh=None, kv_cache_dtype="auto",
+         weight_cache: str | WeightCacheOptions = "off", weight_cache_dir: str | os.PathLike | None = None,
          weight_cache_timeout: float | None = None, weight_cache_device: int = 0):
     """Loads a ModelOpt FP8 (or unquantized) Llama/Qwen2 checkpoint as a Flax NNX model.
 
     ``dtype`` is the compute dtype ("bfloat16", "float32" or "float16"); FP8 weights stay FP8 and
     excluded layers keep the checkpoint's dtype in memory. ``backend`` selects the FP8 GEMM
-    ("auto", "xla", "cutlass"). Returns a :class:`modelopt_jax.models.CausalLM`:
+    ("auto", "xla", "cutlass"). ``kv_cache_dtype`` ("auto", "fp8", "bfloat16", "float16",
+    "float32") fixes what the model's KV cache stores; both the cached and the cache-less forward
+    follow it. Returns a :class:`modelopt_jax.models.CausalLM`:
     ``model(input_ids) -> float32 logits [B, T, vocab]``. With ``mesh`` (a 1-D
-    ``jax.sharding.Mesh`` with axis "tp", see :func:`modelopt_jax.parallel.make_mesh`) the model is
-    split Megatron-style over its devices and returned as a
-    :class:`modelopt_jax.parallel.TensorParallelModel` with the same interface.
+    ``jax.sharding.Mesh`` with axis "tp", see :func:`modelopt_jax.parallel.make_mesh`) the weights
+    are split Megatron-style over its devices and the model runs under ``shard_map``.
 
-    ``weight_cache`` ("off", "auto", "require") attaches to a weight-cache daemon's already
-    processed buffers instead of reading the checkpoint (see :mod:`modelopt_jax.weight_cache`);
-    ``weight_cache_dir`` is its socket directory (default: $MODELOPT_JAX_WEIGHT_CACHE_DIR or a
-    per-user directory), ``weight_cache_timeout`` how long "require" waits for a daemon still loading.
-    With ``mesh`` it attaches to one daemon per mesh device (``weight-cache serve --device i
-    --tensor-parallel N``), each serving that device's shard.
+    ``weight_cache`` ("off", "auto", "require", or a :class:`WeightCacheOptions`) attaches to a
+    weight-cache daemon's already processed buffers instead of reading the checkpoint;
+    ``weight_cache_dir`` is its socket directory, ``weight_cache_timeout`` how long "require" waits
+    for a daemon still loading. With ``mesh`` it attaches to one daemon per mesh device
+    (``weight-cache serve --device i --tensor-parallel N``), each serving that device's shard.
     """
-    from modelopt_jax.models import FAMILIES
-
-    dtype = resolve_dtype(dtype)
+    dtype = compute_dtype(dtype)
     check_backend(backend)
-    if weight_cache not in ("off", None, False):
-        from modelopt_jax.weight_cache.client import load_with_cache
-
-        return load_with_cache(path, dtype=dtype, backend=backend, mode=weight_cache, socket_dir=weight_cache_dir,
-                               device=weight_cache_device, timeout=weight_cache_timeout, mesh=mesh,
-                               ordinary_load=lambda: load(path, dtype=dtype, backend=backend, mesh=mesh))
-    ckpt = Checkpoint.open(path)
+    kv_cache_dtype_name(kv_cache_dtype)
+    options = weight_cache if isinstance(weight_cache, WeightCacheOptions) else WeightCacheOptions(
+        "off" if weight_cache in (None, False) else weight_cache,
+        None if weight_cache_dir is None else os.fspath(weight_cache_dir), weight_cache_timeout,
+        int(weight_cache_device))
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
+    tp = 1 if mesh is None else mesh.devices.size
+    ranks = parallel.local_ranks(mesh)
     log.info("loading %s (%s, quant_algo=%s, kv=%s) as %s", ckpt.directory, ckpt.model_config.architecture,
              ckpt.quant_config.quant_algo, ckpt.quant_config.kv_cache_quant_algo, dtype)
-    source = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
-    if mesh is not None:
-        from modelopt_jax import parallel
+    if options.mode != "off":
+        from modelopt_jax.weight_cache.client import CacheWeights
+        from modelopt_jax.weight_cache.layout import check_supported
 
-        source = parallel.ShardedWeights(source, mesh)
-    model = FAMILIES[ckpt.model_config.family](model_config_for(ckpt, mesh), source, dtype=dtype)
-    _check_leftovers(ckpt)
-    return finish_model(model, ckpt, mesh)
+        check_supported(backend)  # in every mode but off, before any socket work: falling back would hide it
+        try:
+            cache = CacheWeights.attach(ckpt, options, dtype=dtype, backend=backend, mesh=mesh)
+            try:
+                return _build(ckpt, cache.plan, cache.per_device, dtype, kv_cache_dtype, mesh, "daemon", cache.stores,
+                              where=f"weight cache of {ckpt.directory}")
+            except CheckpointError as e:  # the daemon's index does not fit its own plan
+                raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e}") from e
+        except WeightCacheError as e:
+            if options.mode == "require":
+                raise
+            log.warning("weight cache: %s; loading %s from disk", e, ckpt.directory)
+    plan = pipeline.plan_model(ckpt, dtype=dtype, backend=backend, tensor_parallel=tp)
+    per_device = pipeline.DiskWeights(ckpt).arrays(plan, ranks)
+    pipeline.check_leftovers(ckpt)
+    return _build(ckpt, plan, per_device, dtype, kv_cache_dtype, mesh, "disk", (), where=ckpt.directory)
 
 
-def model_config_for(ckpt: Checkpoint, mesh=None):
-    """The architecture the builder is given: the checkpoint's, or one device's part of a TP split."""
-    if mesh is None:
-        return ckpt.model_config
-    from modelopt_jax import parallel
+def _build(ckpt, plan, per_device, dtype, kv_cache_dtype, mesh, source: str, stores, *, where: str):
+    from modelopt_jax.models import LoadInfo
 
-    return parallel.local_config(ckpt, mesh.devices.size)
-
-
-def finish_model(model, ckpt: Checkpoint, mesh=None):
-    """Attaches what callers read off a loaded model; wraps a per-device model for its mesh."""
-    model.quant_config = ckpt.quant_config
-    model.checkpoint_dir = ckpt.directory
-    if mesh is not None:
-        from modelopt_jax import parallel
-
-        model = parallel.TensorParallelModel(model, mesh, ckpt.model_config)
-    return model
+    kv_cache = KVCacheSpec.resolve(kv_cache_dtype, plan.kv_scales, dtype, ckpt.model_config.num_hidden_layers)
+    info = LoadInfo(ckpt.directory, source, tuple(stores), plan)
+    return pipeline.build_model(ckpt.model_config, plan, per_device, kv_cache=kv_cache, mesh=mesh, info=info,
+                                where=where)

@@ -1,47 +1,47 @@
 """Llama-family decoder (Llama-2/3, Qwen2) as Flax NNX modules.
 
-Modules receive their already-built dense layers (FP8 or not) instead of creating parameters, so
-the architecture knows nothing about quantization and the loader can stream weights in one at a
-time. q/k/v and gate/up are fused into one layer each (one GEMM each); Qwen2 differs from Llama
-only by its q/k/v bias, which the config carries.
+The architecture declares its weights (:func:`weight_specs`: checkpoint names, sizes, fusing and
+each dense layer's tensor-parallel role) and builds its skeleton from a plan (:func:`build`, run
+under ``nnx.eval_shape``); it knows nothing about quantization, files or devices. q/k/v and
+gate/up are fused into one layer each (one GEMM each); Qwen2 differs from Llama only by its q/k/v
+bias, which the config carries.
 
 ``model(input_ids)`` is the cache-less forward: logits for every position with a causal mask.
-With an FP8 KV cache in the checkpoint, keys (after RoPE) and values are rounded to the cache's
-FP8 grid exactly as ModelOpt's reference does, so logits equal a cached run's.
+Keys and values pass through the model's KV-cache spec there too (for an FP8 cache: rounded to its
+FP8 grid exactly as ModelOpt's reference does), so logits equal a cached run's.
 ``model.forward_cached(ids, positions, cache)`` is the cached forward used for generation: it
-writes the new keys/values into a :class:`modelopt_jax.kv_cache.KVCache` at their positions and
-attends over everything cached up to each query's position.
+writes the new keys/values into the :class:`modelopt_jax.kv_cache.KVCache` made by
+``model.init_cache`` and attends over everything cached up to each query's position. A model
+loaded over a mesh runs both under ``shard_map``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from modelopt_jax import parallel
 from modelopt_jax.checkpoint import ModelConfig
-from modelopt_jax.kv_cache import KVCache
+from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec
 from modelopt_jax.layers import Embedding, RMSNorm
-from modelopt_jax.ops.quantize import dequantize_static, fake_quantize_static, quantize_static
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
+from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
+from modelopt_jax.quant.schemes import SCHEMES, LinearSpec
 
 
-class WeightSource(Protocol):
-    """What the builder needs from a checkpoint (implemented by modelopt_jax.loader)."""
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A plain tensor the architecture reads as is (embedding table, norm weight)."""
 
-    def linear(self, prefixes: Sequence[str], in_features: int, out_features: Sequence[int],
-               bias: bool, *, out_dtype=None) -> nnx.Module: ...
-
-    def embedding(self, name: str, vocab: int, hidden: int) -> Embedding: ...
-
-    def norm(self, name: str, size: int, eps: float) -> RMSNorm: ...
-
-    def kv_scales(self, attn_prefix: str) -> tuple[float, float] | None: ...
-
-    def tied_lm_head_ignored(self, name: str) -> None: ...
+    path: str                      # parameter path in the model state, e.g. "layers.0.input_layernorm.weight"
+    name: str                      # checkpoint tensor name
+    shape: tuple[int, ...]
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -59,19 +59,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, qkv: nnx.Module, o_proj: nnx.Module,
-                 kv_scales: tuple[float, float] | None, *, dtype):
+    def __init__(self, config: ModelConfig, qkv: nnx.Module, o_proj: nnx.Module, kv: LayerKVSpec, *, dtype):
         self.qkv = qkv
         self.o_proj = o_proj
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(config.rope, config.head_dim))
-        self.kv_scales = kv_scales  # (k_scale, v_scale) for an FP8 KV cache, else None
+        self.kv = kv  # what this layer's KV cache stores (dtype, FP8 scales)
         self.dtype = jnp.dtype(dtype)
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array, fake_quant_kv: bool = True):
-        """q, k, v [B,T,heads,D] with RoPE applied and k/v rounded to the FP8 cache grid if any."""
+    def project_qkv(self, x: jax.Array, positions: jax.Array):
+        """q, k, v [B,T,heads,D] with RoPE applied (k/v as computed, before any cache rounding)."""
         b, t, _ = x.shape
         qkv = self.qkv(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -79,31 +78,26 @@ class Attention(nnx.Module):
         k = qkv[..., q_size:q_size + kv_size].reshape(b, t, self.num_kv_heads, self.head_dim)
         v = qkv[..., q_size + kv_size:].reshape(b, t, self.num_kv_heads, self.head_dim)
         inv_freq = np.asarray(self.inv_freq, np.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if fake_quant_kv and self.kv_scales is not None:
-            k = fake_quantize_static(k, self.kv_scales[0])
-            v = fake_quantize_static(v, self.kv_scales[1])
-        return q, k, v
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         q, k, v = self.project_qkv(x, positions)
+        k, v = self.kv.round_trip(k, v)  # what the cache would hand back, so cached == cache-less
         return self.o_proj(causal_attention(q, k, v, mask))
 
-    def cached(self, x, positions, k_cache, v_cache, scales):
+    def init_cache(self, batch: int, max_len: int, *, shards: int = 1, sharding=None):
+        """This layer's (keys, values) buffers; ``shards`` devices each hold this layer's KV heads."""
+        return self.kv.buffers((batch, max_len, self.num_kv_heads * shards, self.head_dim), sharding)
+
+    def cached(self, x, positions, keys, values):
         """Writes this step's k/v at ``positions`` [B,T] and attends over the cache up to each position."""
-        q, k, v = self.project_qkv(x, positions, fake_quant_kv=False)
-        if scales is not None:  # FP8 cache: store codes, read code * scale (the fake-quant rounding)
-            k, v = quantize_static(k, scales[0]), quantize_static(v, scales[1])
+        q, k, v = self.project_qkv(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype))
-        if scales is not None:
-            keys = dequantize_static(k_cache, scales[0], self.dtype)
-            values = dequantize_static(v_cache, scales[1], self.dtype)
-        else:
-            keys, values = k_cache.astype(self.dtype), v_cache.astype(self.dtype)
-        mask = (jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
-        return self.o_proj(causal_attention(q, keys, values, mask)), k_cache, v_cache
+        keys, values = keys.write(rows, positions, k), values.write(rows, positions, v)
+        max_len = keys.shape[1]
+        mask = (jnp.arange(max_len)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        out = causal_attention(q, keys.read(self.dtype), values.read(self.dtype), mask)
+        return self.o_proj(out), keys, values
 
 
 class MLP(nnx.Module):
@@ -132,23 +126,44 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def cached(self, x, positions, k_cache, v_cache, scales):
-        attn, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), positions, k_cache, v_cache, scales)
+    def cached(self, x, positions, keys, values):
+        attn, keys, values = self.self_attn.cached(self.input_layernorm(x), positions, keys, values)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadInfo:
+    """Where a loaded model's weights came from; ``stores`` keeps weight-cache mappings alive."""
+
+    directory: str                 # the checkpoint directory
+    weights: str = "disk"          # "disk" or "daemon" (the weight cache)
+    stores: tuple[Any, ...] = ()   # weight cache: one mapping per attached daemon, rank order (span())
+    plan: ModelPlan | None = None  # what every layer is (see modelopt_jax.quant.plan)
 
 
 class CausalLM(nnx.Module):
-    """Decoder-only language model: ``model(input_ids) -> logits`` (float32 [B, T, vocab])."""
+    """Decoder-only language model: ``model(input_ids) -> logits`` (float32 [B, T, vocab]).
 
-    def __init__(self, config: ModelConfig, embed: Embedding, layers: Sequence[DecoderLayer], norm: RMSNorm,
-                 lm_head: nnx.Module | None, *, dtype):
+    ``config`` is the checkpoint's architecture; with a ``mesh`` the layers hold one device's part
+    (heads / tp) and both forwards run under ``shard_map`` over the mesh's "tp" axis.
+    """
+
+    def __init__(self, config: ModelConfig, embed: Embedding, layers, norm: RMSNorm, lm_head: nnx.Module | None,
+                 *, dtype, kv_cache: KVCacheSpec, mesh=None, info: LoadInfo | None = None):
         self.config = config
         self.embed_tokens = embed
         self.layers = nnx.List(layers)
         self.norm = norm
         self.lm_head = lm_head  # None: tied to the embedding table
         self.dtype = jnp.dtype(dtype)
+        self.kv_cache = kv_cache
+        self.mesh = mesh
+        self.info = info
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.devices.size
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
@@ -164,13 +179,30 @@ class CausalLM(nnx.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]
-        if attention_mask is not None:
-            mask = mask & jnp.asarray(attention_mask, bool)[:, None, None, :]
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        args = (input_ids, jnp.asarray(positions), jnp.asarray(attention_mask))
+        if self.mesh is None:
+            return self._forward(*args)
+        return parallel.run_sharded(self, CausalLM._forward, self.mesh, args, (P(), P(), P()), P())
+
+    def _forward(self, input_ids, positions, attention_mask):
+        t = input_ids.shape[1]
+        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None] & attention_mask.astype(bool)[:, None, None, :]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, mask)
         return self.logits(self.norm(x))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """A zeroed cache for ``batch`` sequences of up to ``max_len`` tokens (prompt + generated)."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        shards = self.tensor_parallel_size
+        sharding = None if self.mesh is None else parallel.cache_sharding(self.mesh)
+        pairs = [layer.self_attn.init_cache(batch, max_len, shards=shards, sharding=sharding) for layer in self.layers]
+        return KVCache([k for k, _ in pairs], [v for _, v in pairs])
 
     def forward_cached(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
                        logit_positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -181,40 +213,83 @@ class CausalLM(nnx.Module):
         for one token per row ([B, 1, vocab]) -- the last prompt token at prefill -- instead of all
         T ([B, T, vocab]). Pure and jit-compatible; donate ``cache`` to update it in place.
         """
-        scales = cache.scales
-        x = self.embed_tokens(jnp.asarray(input_ids))
+        args = (jnp.asarray(input_ids), jnp.asarray(positions), cache)
+        if logit_positions is not None:
+            args += (jnp.asarray(logit_positions),)
+        if self.mesh is None:
+            return self._forward_cached(*args)
+        cache_specs = jax.tree.map(lambda _: parallel.CACHE_SPEC, cache)
+        specs = (P(), P(), cache_specs) + ((P(),) if logit_positions is not None else ())
+        return parallel.run_sharded(self, CausalLM._forward_cached, self.mesh, args, specs, (P(), cache_specs))
+
+    def _forward_cached(self, input_ids, positions, cache: KVCache, logit_positions=None):
+        x = self.embed_tokens(input_ids)
         keys, values = list(cache.keys), list(cache.values)
         for i, layer in enumerate(self.layers):
-            x, keys[i], values[i] = layer.cached(x, positions, keys[i], values[i],
-                                                 None if scales is None else scales[i])
+            x, keys[i], values[i] = layer.cached(x, positions, keys[i], values[i])
         if logit_positions is not None:
             x = jnp.take_along_axis(x, logit_positions[:, None, None], axis=1)
-        return self.logits(self.norm(x)), KVCache(keys, values, scales)
+        return self.logits(self.norm(x)), KVCache(keys, values)
 
 
-def build(config: ModelConfig, source: WeightSource, *, dtype) -> CausalLM:
-    """Builds the model layer by layer, pulling each weight from ``source`` exactly once."""
+def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec], list[str]]:
+    """Every weight the architecture reads: (dense layers, plain tensors, attention prefixes).
+
+    Sizes are the checkpoint's; each dense layer says how tensor parallelism splits it.
+    """
     h, kv = config.hidden_size, config.kv_size
-    embed = source.embedding("model.embed_tokens", config.vocab_size, h)
+    linears = []
+    tensors = [TensorSpec("embed_tokens.table", "model.embed_tokens.weight", (config.vocab_size, h))]
+    attention = []
+    for i in range(config.num_hidden_layers):
+        p, m = f"model.layers.{i}", f"layers.{i}"
+        attn = f"{p}.self_attn"
+        attention.append(attn)
+        linears += [
+            LinearSpec(f"{m}.self_attn.qkv", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"), h,
+                       (config.q_size, kv, kv), config.attention_bias, COLUMN),
+            LinearSpec(f"{m}.self_attn.o_proj", (f"{attn}.o_proj",), config.q_size, (h,), config.o_proj_bias, ROW),
+            LinearSpec(f"{m}.mlp.gate_up", (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), h,
+                       (config.intermediate_size,) * 2, config.mlp_bias, COLUMN),
+            LinearSpec(f"{m}.mlp.down", (f"{p}.mlp.down_proj",), config.intermediate_size, (h,), config.mlp_bias, ROW),
+        ]
+        tensors += [TensorSpec(f"{m}.input_layernorm.weight", f"{p}.input_layernorm.weight", (h,)),
+                    TensorSpec(f"{m}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (h,))]
+    tensors.append(TensorSpec("norm.weight", "model.norm.weight", (h,)))
+    if not config.tie_word_embeddings:
+        linears.append(LinearSpec("lm_head", ("lm_head",), h, (config.vocab_size,), False, REPLICATED, "float32"))
+    return linears, tensors, attention
+
+
+def build(config: ModelConfig, plan: ModelPlan, *, kv_cache: KVCacheSpec, mesh=None,
+          info: LoadInfo | None = None) -> CausalLM:
+    """The model's skeleton from its plan (call under ``nnx.eval_shape``: parameters are zeros).
+
+    ``config`` is the checkpoint's architecture; the layers get one device's part of it under
+    tensor parallelism (``plan.tensor_parallel``).
+    """
+    tp = plan.tensor_parallel
+    local = parallel.local_config(config, tp)
+    dtype = jnp.dtype(plan.dtype)
+    reduce_axis = TP_AXIS if tp > 1 else None
+
+    def linear(path: str) -> nnx.Module:
+        lp = plan.linear(path)
+        return SCHEMES[lp.scheme].module(lp, dtype=dtype, backend=plan.backend,
+                                         reduce_axis=reduce_axis if lp.role == ROW else None)
+
+    def norm(path: str) -> RMSNorm:
+        return RMSNorm(plan.tensor(path), eps=config.rms_norm_eps, dtype=dtype)
+
     layers = []
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        attn_p = f"{p}.self_attn"
-        qkv = source.linear([f"{attn_p}.q_proj", f"{attn_p}.k_proj", f"{attn_p}.v_proj"], h,
-                            [config.q_size, kv, kv], config.attention_bias)
-        o_proj = source.linear([f"{attn_p}.o_proj"], config.q_size, [h], config.o_proj_bias)
-        attn = Attention(config, qkv, o_proj, source.kv_scales(attn_p), dtype=dtype)
-        gate_up = source.linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], h,
-                                [config.intermediate_size] * 2, config.mlp_bias)
-        down = source.linear([f"{p}.mlp.down_proj"], config.intermediate_size, [h], config.mlp_bias)
-        layers.append(DecoderLayer(
-            source.norm(f"{p}.input_layernorm", h, config.rms_norm_eps), attn,
-            source.norm(f"{p}.post_attention_layernorm", h, config.rms_norm_eps),
-            MLP(gate_up, down, config.intermediate_size, dtype=dtype)))
-    norm = source.norm("model.norm", h, config.rms_norm_eps)
-    if config.tie_word_embeddings:
-        source.tied_lm_head_ignored("lm_head.weight")
-        lm_head = None
-    else:
-        lm_head = source.linear(["lm_head"], h, [config.vocab_size], False, out_dtype=jnp.float32)
-    return CausalLM(config, embed, layers, norm, lm_head, dtype=dtype)
+        m = f"layers.{i}"
+        attn = Attention(local, linear(f"{m}.self_attn.qkv"), linear(f"{m}.self_attn.o_proj"), kv_cache.layers[i],
+                         dtype=dtype)
+        mlp = MLP(linear(f"{m}.mlp.gate_up"), linear(f"{m}.mlp.down"), local.intermediate_size, dtype=dtype)
+        layers.append(DecoderLayer(norm(f"{m}.input_layernorm.weight"), attn,
+                                   norm(f"{m}.post_attention_layernorm.weight"), mlp))
+    embed = Embedding(plan.tensor("embed_tokens.table"), dtype=dtype)
+    lm_head = None if config.tie_word_embeddings else linear("lm_head")
+    return CausalLM(config, embed, layers, norm("norm.weight"), lm_head, dtype=dtype, kv_cache=kv_cache, mesh=mesh,
+                    info=info)

@@ -70,14 +70,15 @@ def test_every_compiled_config_is_correct():
             _check(m, 2048, 1024, "scalar", jnp.float16, seed=config * 100 + m + 1, config=config)
 
 
-def test_unaligned_n_through_a_padded_layer():
+def test_unaligned_n_through_a_padded_layer(tmp_path):
     """N=1000 is padded to 1008 at load time; the kernel sees an aligned problem."""
-    from modelopt_jax.quant.schemes import SCHEMES, ShardTensors
+    from layer_checkpoint import fp8_shards
 
     rng = np.random.default_rng(3)
     w = (rng.standard_normal((1000, 512)) * 60).clip(-448, 448).astype(np.float32).astype(E4M3)
-    layer = SCHEMES["FP8"].build([ShardTensors("p", w, None, np.float32(0.001), 0.02)], dtype=jnp.bfloat16,
-                                 backend="cutlass")
+    layer = fp8_shards(tmp_path, [(w, None, np.float32(0.001), np.float32(0.02))], "FP8", dtype=jnp.bfloat16,
+                       backend="cutlass")
+    assert layer.weight.shape == (1008, 512)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     y = np.asarray(jax.jit(lambda v: layer(v))(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
     xq = np.clip(x.astype(ml_dtypes.bfloat16).astype(np.float32) / np.float32(0.02), -448, 448).astype(E4M3)

@@ -15,7 +15,6 @@ from fixture_paths import fixture_dir
 from modelopt_jax.greedy import jit_forward
 from modelopt_jax.layers import Fp8Linear
 from modelopt_jax.ops.quantize import reciprocal
-from modelopt_jax.static_array import StaticArray
 
 
 def _hlo_constants(text: str) -> np.ndarray:
@@ -48,12 +47,12 @@ def test_only_weights_and_inputs_are_arguments_and_scales_are_constants(name):
 
     consts = _hlo_constants(text)
     for layer in fp8_layers:
-        if isinstance(layer.weight_scale, StaticArray):  # per-channel / unequal fused shards: a vector
-            vec = layer.weight_scale.array
+        epilogue = layer.epilogue
+        if epilogue.col is not None:  # per-channel / unequal fused shards: a vector
+            vec = epilogue.col.array
             assert any(np.array_equal(vec, consts[i:i + vec.size]) for i in np.flatnonzero(consts == vec[0])), \
                 "weight-scale vector not found as a constant"
         else:  # per-tensor: alpha = input_scale * weight_scale, and 1/input_scale for quantization
-            alpha = np.float32(np.float32(layer.input_scale) * np.float32(layer.weight_scale))
-            assert alpha in consts
+            assert epilogue.alpha != 1.0 and np.float32(epilogue.alpha) in consts
         if layer.input_scale is not None:
             assert np.float32(reciprocal(layer.input_scale)) in consts

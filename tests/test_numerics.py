@@ -10,8 +10,7 @@ import pytest
 
 from modelopt_jax.layers import Fp8Linear
 from modelopt_jax.ops import PER_TOKEN_MIN_SCALE, fp8_gemm, quantize_per_token, quantize_static
-from modelopt_jax.quant.schemes import Fp8PerTensor, ShardTensors
-from modelopt_jax.static_array import StaticArray
+from layer_checkpoint import fp8_shards
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -96,51 +95,49 @@ def test_fp8_gemm_rejects_bad_operands(request):
         jax.jit(lambda s: fp8_gemm(jnp.asarray(_fp8(rng, (2, 32))), w, x_scale=1.0, w_scale=s))(1.0)
 
 
-def test_fusing_shards_with_unequal_scales_keeps_codes_and_outputs(request):
+def test_fusing_shards_with_unequal_scales_keeps_codes_and_outputs(request, tmp_path):
     """Fused q/k/v with different weight scales == three separate layers; FP8 codes untouched."""
     rng = _rng(request)
     k, sizes = 64, (64, 32, 32)
-    shards = [ShardTensors(f"p{i}", _fp8(rng, (n, k)), rng.standard_normal(n).astype(np.float32),
-                           np.float32(rng.uniform(1e-3, 5e-3)), 0.0173) for i, n in enumerate(sizes)]
-    scheme = Fp8PerTensor()
-    fused = scheme.build(shards, dtype=jnp.float32, backend="xla")
-    separate = [scheme.build([s], dtype=jnp.float32, backend="xla") for s in shards]
-    assert isinstance(fused, Fp8Linear) and isinstance(fused.weight_scale, StaticArray)
+    shards = [(_fp8(rng, (n, k)), rng.standard_normal(n).astype(np.float32), np.float32(rng.uniform(1e-3, 5e-3)),
+               np.float32(0.0173)) for n in sizes]
+    fused = fp8_shards(tmp_path / "fused", shards, "FP8")
+    separate = [fp8_shards(tmp_path / str(i), [s], "FP8") for i, s in enumerate(shards)]
+    assert isinstance(fused, Fp8Linear) and fused.epilogue.col is not None  # one vector, not three GEMMs
     np.testing.assert_array_equal(np.asarray(fused.weight[...]).view(np.uint8),
-                                  np.concatenate([s.weight for s in shards]).view(np.uint8))
+                                  np.concatenate([s[0] for s in shards]).view(np.uint8))
     x = jnp.asarray(rng.standard_normal((7, k)).astype(np.float32))
     want = np.concatenate([np.asarray(layer(x)) for layer in separate], axis=-1)
     np.testing.assert_allclose(np.asarray(fused(x)), want, rtol=1e-6, atol=1e-6)
 
 
-def test_shards_with_different_input_scales_stay_separate(request):
+def test_shards_with_different_input_scales_stay_separate(request, tmp_path):
     rng = _rng(request)
-    shards = [ShardTensors(f"p{i}", _fp8(rng, (16, 32)), None, np.float32(0.01), s) for i, s in enumerate((0.02, 0.03))]
-    layer = Fp8PerTensor().build(shards, dtype=jnp.float32, backend="xla")
+    shards = [(_fp8(rng, (16, 32)), None, np.float32(0.01), np.float32(s)) for s in (0.02, 0.03)]
+    layer = fp8_shards(tmp_path / "fused", shards, "FP8")
     x = jnp.asarray(rng.standard_normal((3, 32)).astype(np.float32))
-    parts = [Fp8PerTensor().build([s], dtype=jnp.float32, backend="xla")(x) for s in shards]
+    parts = [fp8_shards(tmp_path / str(i), [s], "FP8")(x) for i, s in enumerate(shards)]
+    assert len(layer.parts) == 2
     np.testing.assert_array_equal(np.asarray(layer(x)), np.concatenate([np.asarray(p) for p in parts], -1))
 
 
 @pytest.mark.parametrize("scheme_name", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
-def test_unaligned_output_width_is_padded_once_and_sliced(request, scheme_name):
-    from modelopt_jax.quant.schemes import SCHEMES
-
+def test_unaligned_output_width_is_padded_once_and_sliced(request, tmp_path, scheme_name):
     rng = _rng(request)
     n, k = 20, 32
     w = _fp8(rng, (n, k))
     ws = np.float32(0.004) if scheme_name == "FP8" else rng.uniform(1e-3, 5e-3, n).astype(np.float32)
-    shard = ShardTensors("p", w, rng.standard_normal(n).astype(np.float32), ws, 0.02 if scheme_name == "FP8" else None)
-    layer = SCHEMES[scheme_name].build([shard], dtype=jnp.float32, backend="xla")
+    bias = rng.standard_normal(n).astype(np.float32)
+    layer = fp8_shards(tmp_path, [(w, bias, ws, np.float32(0.02) if scheme_name == "FP8" else None)], scheme_name)
     assert layer.weight.shape == (32, k) and layer.out_features == n
     x = rng.standard_normal((3, k)).astype(np.float32)
     y = np.asarray(layer(jnp.asarray(x)))
     assert y.shape == (3, n)
     if scheme_name == "FP8":
         xq = np.clip(x / np.float32(0.02), -448, 448).astype(E4M3).astype(np.float64) * 0.02
-        want = xq @ (w.astype(np.float64) * 0.004).T + shard.bias
+        want = xq @ (w.astype(np.float64) * 0.004).T + bias
     else:
         s = np.maximum(np.abs(x).max(-1, keepdims=True) / 448, 1 / (448 * 512))
         xq = np.clip(x / s, -448, 448).astype(E4M3).astype(np.float64) * s
-        want = xq @ (w.astype(np.float64) * ws[:, None]).T + shard.bias
+        want = xq @ (w.astype(np.float64) * ws[:, None]).T + bias
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

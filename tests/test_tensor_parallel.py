@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import modelopt_jax
@@ -105,7 +106,8 @@ def test_each_shard_calls_the_ffi_gemm_on_its_local_block(wide_checkpoints):
         pytest.skip("CUDA FFI library not built")
     model = modelopt_jax.load(wide_checkpoints[("llama", "FP8", False)], dtype="bfloat16", mesh=make_mesh(2))
     ids = jnp.zeros((1, 8), jnp.int32)
-    text = model._call.trace(model.state, ids, jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32)).lower(
+    graph, state = nnx.split(model)
+    text = jax.jit(lambda st, i: nnx.merge(graph, st)(i)).trace(state, ids).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @modelopt_fp8_gemm" in line]
     assert len(calls) == 4 * 2  # qkv, o, gate_up, down per layer

@@ -93,7 +93,7 @@ def _leaves(model):
 
 def _store_offsets(model) -> list[int]:
     """Every array's offset inside the daemon's store; asserts each one lies inside it (zero-copy)."""
-    base, size = model.weight_cache_stores[0].span()
+    base, size = model.info.stores[0].span()
     offsets = []
     for leaf in _leaves(model):
         ptr = leaf.unsafe_buffer_pointer()
@@ -139,13 +139,13 @@ def test_greedy_identical_ordinary_fallback_attach(name, tmp_path, fp8_daemon):
         reference = _reference(name)
         fallback = LLM(str(path), quantization="modelopt", dtype="float32", weight_cache="auto",
                        weight_cache_dir=tmp_path / "nobody-here")
-        assert fallback.model.weight_cache_source == "disk"
+        assert fallback.model.info.weights == "disk"
         assert _outputs(fallback) == reference
         ordinary = fallback.model
         for _ in range(2):  # two attachments, never a fallback
             llm = LLM(str(path), quantization="modelopt", dtype="float32", weight_cache="require",
                       weight_cache_dir=daemon.dir)
-            assert llm.model.weight_cache_source == "daemon"
+            assert llm.model.info.weights == "daemon"
             assert _outputs(llm) == reference
             _assert_same_arrays(llm.model, ordinary)
             _store_offsets(llm.model)  # zero-copy: the device buffers are the daemon's store
@@ -177,7 +177,7 @@ def test_fingerprint_mismatch_refused_with_fields(fp8_daemon):
         load(path, dtype="bfloat16", weight_cache="require", weight_cache_dir=fp8_daemon.dir)
     assert info.value.mismatch == ["dtype"]
     model = load(path, dtype="bfloat16", weight_cache="auto", weight_cache_dir=fp8_daemon.dir)
-    assert model.weight_cache_source == "disk"
+    assert model.info.weights == "disk"
     # another checkpoint (different headers and config) against the same daemon
     with pytest.raises(WeightCacheError) as info:
         load(fixture_dir("qwen2-bytes-fp8-pc-pt"), dtype="float32", weight_cache="require",
@@ -186,16 +186,39 @@ def test_fingerprint_mismatch_refused_with_fields(fp8_daemon):
     assert fingerprint.diff({"a": "1", "b": "2"}, {"a": "1", "c": "2"}) == ["b", "c"]
 
 
-def test_block_fp8_rejected_up_front_by_client_and_daemon(tmp_path):
-    path = fixture_dir("qwen2-tiny-fp8-pb-wo")
-    for mode in ("auto", "require"):
-        with pytest.raises(UnsupportedForWeightCacheError, match="FP8_PB_WO"):
-            load(path, dtype="float32", weight_cache=mode, weight_cache_dir=tmp_path)
-    daemon = DaemonProcess(path, tmp_path / "sock", wait=False)
-    assert daemon.proc.wait(60) == 2
-    out = daemon.proc.stdout.read()
-    assert "UnsupportedForWeightCacheError" in out and "FP8_PB_WO" in out
-    assert not os.path.exists(daemon.sock)
+@pytest.mark.parametrize("name", ["qwen2-tiny-fp8-pb-wo", "llama-tiny-fp8-kv"])
+def test_block_and_kv_scale_checkpoints_through_the_cache(name, tmp_path):
+    """FP8_PB_WO (128x128 block scales in the plan) and an FP8-KV export (k/v scales in the plan):
+    attached twice, bit-identical state, identical logits and greedy tokens to an ordinary load."""
+    from modelopt_jax.layers import BlockFp8Linear
+
+    path = fixture_dir(name)
+    ordinary = load(path, dtype="float32")
+    daemon = DaemonProcess(path, tmp_path / "sock")
+    try:
+        attached = [load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+                    for _ in range(2)]
+        llm = LLM(str(path), quantization=None, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir,
+                  compilation_cache_dir=None)
+        assert llm.model.info.weights == "daemon"
+        prompts = [[1, 5, 9, 33, 70], [2, 8]]
+        ordinary_llm = LLM(str(path), quantization=None, dtype="float32", compilation_cache_dir=None)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
+            [o.token_ids for o in ordinary_llm.generate(prompts, GREEDY)]
+    finally:
+        daemon.stop()
+    ids = np.array([[1, 5, 9, 33, 70, 2]], np.int32)
+    want = np.asarray(ordinary(ids))
+    for model in attached:
+        assert model.info.weights == "daemon"
+        _assert_same_arrays(model, ordinary)
+        assert model.kv_cache == ordinary.kv_cache
+        assert np.array_equal(np.asarray(model(ids)), want)
+    blocks = [m for _, m in nnx.iter_modules(attached[0]) if isinstance(m, BlockFp8Linear)]
+    assert (len(blocks) > 0) == ("pb-wo" in name)
+    for got, (_, want_m) in zip(blocks, [(p, m) for p, m in nnx.iter_modules(ordinary) if isinstance(m, BlockFp8Linear)]):
+        assert got.block_scales == want_m.block_scales
+    assert _store_offsets(attached[0]) == _store_offsets(attached[1])
 
 
 def test_backend_with_another_weight_layout_rejected_up_front(tmp_path):
@@ -244,7 +267,7 @@ def test_malformed_messages_do_not_kill_the_daemon(fp8_daemon):
     assert status["ok"] and fp8_daemon.proc.poll() is None
     model = load(fixture_dir("qwen2-bytes-fp8"), dtype="float32", weight_cache="require",
                  weight_cache_dir=fp8_daemon.dir)
-    assert model.weight_cache_source == "daemon"
+    assert model.info.weights == "daemon"
 
 
 def test_protocol_errors_are_typed():
@@ -269,7 +292,7 @@ def test_concurrent_clients_attach_and_agree(fp8_daemon):
     def client(i):
         try:
             m = load(path, dtype="float32", weight_cache="require", weight_cache_dir=fp8_daemon.dir)
-            results[i] = (m.weight_cache_source, np.asarray(m(np.array([[1, 72, 101, 108, 108, 111]], np.int32))))
+            results[i] = (m.info.weights, np.asarray(m(np.array([[1, 72, 101, 108, 108, 111]], np.int32))))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -290,7 +313,7 @@ def test_peer_uid_refused(tmp_path):
     try:
         with pytest.raises(WeightCacheError, match=f"peer uid {os.getuid()} is not allowed"):
             load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
-        assert load(path, dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir).weight_cache_source \
+        assert load(path, dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir).info.weights \
             == "disk"
         if os.getuid() == 0:  # a real other user: refused (by the 0700 directory before SO_PEERCRED)
             with warnings.catch_warnings():  # the child only touches a socket, never JAX
@@ -327,7 +350,7 @@ def test_sigkilled_daemon_auto_falls_back(tmp_path):
     reference = _reference("qwen2-bytes-fp8")
     assert _outputs(attached) == reference  # an attached client keeps its mapping
     llm = LLM(str(path), dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir)
-    assert llm.model.weight_cache_source == "disk"
+    assert llm.model.info.weights == "disk"
     assert _outputs(llm) == reference
     with pytest.raises(WeightCacheError):
         load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir, weight_cache_timeout=0.2)
@@ -335,7 +358,7 @@ def test_sigkilled_daemon_auto_falls_back(tmp_path):
     again = DaemonProcess(path, daemon.dir)
     try:
         assert load(path, dtype="float32", weight_cache="require",
-                    weight_cache_dir=daemon.dir).weight_cache_source == "daemon"
+                    weight_cache_dir=daemon.dir).info.weights == "daemon"
     finally:
         again.stop()
 
@@ -350,18 +373,12 @@ def test_require_waits_for_a_loading_daemon(tmp_path):
             time.sleep(0.01)
         model = load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir,
                      weight_cache_timeout=60)
-        assert model.weight_cache_source == "daemon"
+        assert model.info.weights == "daemon"
     finally:
         out = daemon.stop()
     assert daemon.proc.returncode == 0, out
     assert os.listdir(daemon.dir) == []  # socket and lock removed
     assert not any(n.startswith(f"mojwc_{os.getuid()}_0_{daemon.proc.pid}") for n in os.listdir("/dev/shm"))
-
-
-def _scales_equal(a, b) -> bool:
-    if hasattr(a, "array") or hasattr(b, "array"):  # StaticArray per-channel vectors
-        return np.array_equal(np.asarray(a.array), np.asarray(b.array))
-    return a == b
 
 
 @pytest.mark.parametrize("quant_algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
@@ -384,15 +401,14 @@ def test_fused_layers_attached_twice(quant_algo, intermediate, tmp_path):
         daemon.stop()
     x = jax.random.normal(jax.random.key(intermediate), (3, 64), np.float32)
     for model in attached:
-        assert model.weight_cache_source == "daemon"
+        assert model.info.weights == "daemon"
         _assert_same_arrays(model, ordinary)  # bit-identical: nothing re-transposed, re-quantized or re-padded
         for name in ("qkv", "gate_up"):
             want = ordinary.layers[0].self_attn.qkv if name == "qkv" else ordinary.layers[0].mlp.gate_up
             got = model.layers[0].self_attn.qkv if name == "qkv" else model.layers[0].mlp.gate_up
             assert (got.weight.shape, got.logical_out, tuple(got.shard_sizes)) == \
                 (want.weight.shape, want.logical_out, tuple(want.shard_sizes))
-            assert _scales_equal(got.weight_scale, want.weight_scale)
-            assert _scales_equal(got.input_scale, want.input_scale)
+            assert got.epilogue == want.epilogue and got.input_scale == want.input_scale
             assert np.array_equal(np.asarray(got(x)), np.asarray(want(x)))
         assert model.lm_head.out_features == 100
     # both attachments view the same bytes of the daemon's store (same offsets, same store)
@@ -438,16 +454,16 @@ def test_tensor_parallel_one_daemon_per_device(tmp_path):
         for _ in range(2):
             llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, weight_cache="require",
                       weight_cache_dir=daemons[0].dir)
-            assert llm.model.weight_cache_source == "daemon"
+            assert llm.model.info.weights == "daemon"
             assert _outputs(llm) == reference
-            la = jax.tree_util.tree_leaves(llm.model.state)
-            lb = jax.tree_util.tree_leaves(ordinary.model.state)
+            la = jax.tree_util.tree_leaves(nnx.state(llm.model))
+            lb = jax.tree_util.tree_leaves(nnx.state(ordinary.model))
             assert len(la) == len(lb)
             for x, y in zip(la, lb):
                 assert x.sharding == y.sharding
                 assert np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
                 for rank, device in enumerate(llm.model.mesh.devices.flat):
-                    assert _shard_in_store(x, device, llm.model.weight_cache_stores[rank])
+                    assert _shard_in_store(x, device, llm.model.info.stores[rank])
         # a single-device client is refused by the TP daemon, naming the field
         with pytest.raises(WeightCacheError) as info:
             load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemons[0].dir)
@@ -455,7 +471,7 @@ def test_tensor_parallel_one_daemon_per_device(tmp_path):
         # TP=2 with only rank 0's daemon: "auto" loads from disk (both ranks), "require" raises
         daemons[1].stop()
         fallback = load(path, dtype="float32", mesh=make_mesh(2), weight_cache="auto", weight_cache_dir=daemons[0].dir)
-        assert fallback.weight_cache_source == "disk"
+        assert fallback.info.weights == "disk"
         with pytest.raises(WeightCacheError, match="device 1"):
             load(path, dtype="float32", mesh=make_mesh(2), weight_cache="require", weight_cache_dir=daemons[0].dir,
                  weight_cache_timeout=0.2)

@@ -62,7 +62,7 @@ def test_attached_client_uses_no_device_memory_for_weights(big_ckpt, tmp_path):
           f"an ordinary load by {load_growth / 1e6:.1f} MB")
     assert load_growth >= 0.9 * weight_bytes
     assert attach_growth <= 0.01 * weight_bytes
-    (mapping,), (mapping_again,) = attached.weight_cache_stores, again.weight_cache_stores
+    (mapping,), (mapping_again,) = attached.info.stores, again.info.stores
     assert isinstance(mapping, cuda_store.Mapping)  # CUDA IPC mode, not shared memory
     assert mapping_again.span()[0] == mapping.span()[0]  # one mapping, same address
     assert _store_offsets(attached) == _store_offsets(again)
@@ -81,7 +81,7 @@ def test_attached_forward_calls_the_cutlass_gemm(tmp_path):
     finally:
         daemon.stop()
     # the daemon processed with backend "auto": a cutlass client must not attach to it
-    assert model.weight_cache_source == "disk"
+    assert model.info.weights == "disk"
     daemon = DaemonProcess(path, tmp_path / "sock2", dtype="bfloat16")
     try:
         model = load(path, dtype="bfloat16", weight_cache="require", weight_cache_dir=daemon.dir)

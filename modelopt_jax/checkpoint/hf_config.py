@@ -167,3 +167,18 @@ def load_model_config(directory: str) -> tuple[ModelConfig, dict[str, Any]]:
     path = os.path.join(directory, CONFIG_FILE)
     raw = read_json(path)
     return parse_model_config(raw, path), raw
+
+
+def eos_ids(checkpoint_dir: str) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (either may hold an int or a list).
+
+    Read at the checkpoint, with the other configs: ``generation_config.json`` is a checkpoint file.
+    """
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            if value is not None:
+                return list(value) if isinstance(value, list) else [int(value)]
+    return []

@@ -3,11 +3,8 @@
 Operands: ``a`` [M, K] and ``b`` [N, K] float8_e4m3fn, then -- announced by boolean attributes --
 ``row_scale`` [M], ``col_scale`` [N] and ``bias`` [N], all float32. ``alpha`` is a float32
 attribute, i.e. a constant compiled into the call. The op computes
-``out = alpha * row[m] * col[n] * acc + bias[n]`` (missing vectors count as 1 / 0).
-
-Scalars are folded on the host so that at most one of (alpha, vectors) carries them: per-tensor
-layers pass only ``alpha = input_scale * weight_scale``; a static activation scale with a weight
-scale vector is folded into ``col`` (a numpy constant); a dynamic per-token scale is ``row``.
+``out = alpha * row[m] * col[n] * acc + bias[n]`` (missing vectors count as 1 / 0): exactly the
+:class:`~modelopt_jax.ops.epilogue.Fp8Epilogue` the layer's plan holds, so nothing is folded here.
 """
 
 from __future__ import annotations
@@ -19,34 +16,24 @@ import numpy as np
 from modelopt_jax.ops import native
 
 
-def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, config: int = -1,
-                 out_init: jax.Array | None = None) -> jax.Array:
-    """``x_q`` [M, K] (already 2-D), ``w_q`` [N, K]; scales as normalised by ``fp8_gemm``.
+def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, out_dtype, config: int = -1,
+                    out_init: jax.Array | None = None) -> jax.Array:
+    """``x_q`` [M, K] (already 2-D), ``w_q`` [N, K]; ``alpha``/``row``/``col`` as ``scaled_fp8_gemm`` passes them.
 
-    ``config`` forces a compiled CUDA tile configuration (tuning/benchmarks; -1 = by M bucket).
-    ``out_init`` [M, N] is aliased to the output (tests fill it with NaN to catch unwritten
-    elements).
+    ``alpha`` is passed as ``np.float32`` (a static attribute: a jax value here would be traced and
+    could not be compiled into the call). ``config`` forces a compiled CUDA tile configuration
+    (tuning/benchmarks; -1 = by M bucket). ``out_init`` [M, N] is aliased to the output (tests fill it
+    with NaN to catch unwritten elements).
     """
     native.cpu_library()
     native.cuda_library()
-    m, k = x_q.shape
+    m, _ = x_q.shape
     n = w_q.shape[0]
     operands = [x_q, w_q]
-    alpha, row, col = np.float32(1.0), None, None
-    if not isinstance(w_scale, float):  # a vector: numpy constant, or device data under TP
-        col = w_scale.astype(np.float32) if isinstance(w_scale, np.ndarray) else w_scale.astype(jnp.float32)
-        if isinstance(x_scale, float):
-            col = col * np.float32(x_scale)
-        else:
-            row = x_scale
-    elif isinstance(x_scale, float):
-        alpha = np.float32(np.float32(x_scale) * np.float32(w_scale))
-    else:
-        row, alpha = x_scale, np.float32(w_scale)
     if row is not None:
         operands.append(jnp.asarray(row, jnp.float32).reshape(m))
     if col is not None:
-        operands.append(jnp.asarray(col))
+        operands.append(jnp.asarray(col, jnp.float32).reshape(n))
     if bias is not None:
         operands.append(bias.astype(jnp.float32).reshape(n))
     aliases = {}
@@ -55,5 +42,19 @@ def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_
         operands.append(out_init)
     call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
                             vmap_method="broadcast_all", input_output_aliases=aliases)
-    return call(*operands, alpha=alpha, has_row_scale=row is not None, has_col_scale=col is not None,
+    return call(*operands, alpha=np.float32(alpha), has_row_scale=row is not None, has_col_scale=col is not None,
                 has_bias=bias is not None, has_out_init=out_init is not None, config=np.int32(config))
+
+
+def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, config: int = -1,
+                 out_init: jax.Array | None = None) -> jax.Array:
+    """The FFI call from loose scales (tests, benchmarks): folded by :func:`~modelopt_jax.ops.gemm.epilogue_of`."""
+    from modelopt_jax.ops.gemm import epilogue_of
+
+    epilogue, row, col = epilogue_of(x_scale, w_scale, w_q.shape[0])
+    if row is not None:
+        row = row.reshape(x_q.shape[0])
+    if col is None and epilogue.col is not None:
+        col = epilogue.col.array
+    return ffi_scaled_gemm(x_q, w_q, alpha=epilogue.alpha, row=row, col=col, bias=bias, out_dtype=out_dtype,
+                           config=config, out_init=out_init)

@@ -1,23 +1,23 @@
 """The one FP8 GEMM every quantized dense layer calls, with a pluggable backend.
 
-    y = out_dtype( x_scale * (w_scale * (x_q @ w_q.T)) + bias )
+    y = out_dtype( alpha * row[m] * col[n] * (x_q @ w_q.T) + bias[n] )
 
 ``x_q`` is the FP8 activation [..., K], ``w_q`` the FP8 weight exactly as stored in the checkpoint
-[N, K] (K-major, never transposed), the product accumulated in float32. ``w_scale`` is static
-(a Python float, or a length-N vector for per-channel weights and fused layers with unequal shard
-scales); ``x_scale`` is static (float) or dynamic (one float32 per row, per-token quantization).
-When both scales are scalars they are multiplied once at trace time into a single constant alpha,
-which is what a GEMM epilogue applies.
+[N, K] (K-major, never transposed; see :mod:`.alignment`), the product accumulated in float32.
+The scales arrive as one :class:`~modelopt_jax.quant.plan.Fp8Epilogue`, the Python twin of the
+FFI op's ``Fp8GemmProblem``: ``alpha`` a compile-time constant, ``col`` a per-output-channel
+vector (a constant, or device data under tensor parallelism), ``row`` the dynamic per-token
+activation scale. Every backend receives the same ``(alpha, row, col)`` and applies them in the
+same order (alpha, then row, then col, then bias), so the backends cannot fold differently.
 
 Backends register an implementation under a name:
 
 - ``"xla"``: XLA's own FP8 dot with float32 accumulation and the epilogue as XLA ops (any platform).
 - ``"cutlass"``: our ``modelopt_fp8_gemm`` XLA FFI custom call: the CUTLASS kernel on CUDA, the
-  C++ reference handler on CPU (so CI exercises the real FFI plumbing). Scalars travel as a
-  compile-time attribute; per-channel / per-token vectors and the bias as buffers.
+  C++ reference handler on CPU (so CI exercises the real FFI plumbing).
 - ``"auto"``: chosen per platform at lowering time (``jax.lax.platform_dependent``): ``"cutlass"``
-  on CUDA when the CUDA library is built and the call qualifies (bf16/fp16 output, K % 16 == 0,
-  N % 8 == 0), ``"xla"`` everywhere else.
+  on CUDA when the CUDA library is built and the call qualifies (bf16/fp16 output and the
+  alignment of :func:`~modelopt_jax.ops.alignment.cutlass_can_run`), ``"xla"`` everywhere else.
 """
 
 from __future__ import annotations
@@ -29,26 +29,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from modelopt_jax.errors import BackendUnavailableError
+from modelopt_jax.ops.alignment import WEIGHT_LAYOUT, cutlass_can_run
+from modelopt_jax.ops.epilogue import Fp8Epilogue
 from modelopt_jax.static_array import StaticArray
 
 StaticScale = float | np.ndarray | StaticArray
 
 
 class GemmImpl(Protocol):
-    def __call__(self, x_q: jax.Array, w_q: jax.Array, *, x_scale: float | jax.Array,
-                 w_scale: float | np.ndarray, bias: jax.Array | None, out_dtype) -> jax.Array: ...
+    def __call__(self, x_q: jax.Array, w_q: jax.Array, *, alpha: np.float32, row: jax.Array | None,
+                 col: np.ndarray | jax.Array | None, bias: jax.Array | None, out_dtype) -> jax.Array: ...
 
 
 _BACKENDS: dict[str, GemmImpl] = {}
 # Why a backend named by the user cannot run (e.g. "cutlass": native library not built).
 _UNAVAILABLE: dict[str, str] = {}
-
-
-# The processed FP8 weight every backend consumes: float8_e4m3fn [N, K] as stored in the checkpoint,
-# rows zero-padded to a multiple of 16. The weight cache shares buffers in exactly this layout, so a
-# backend that wanted another one (e.g. pre-transposed or swizzled) would register it here and the
-# cache would refuse it (and put it in the fingerprint) instead of handing over the wrong bytes.
-WEIGHT_LAYOUT = "fp8-e4m3fn-NK-pad16"
+# The processed-weight layout each backend consumes. The weight cache shares buffers only in
+# WEIGHT_LAYOUT: a backend that wanted another (pre-transposed, swizzled) registers it here and the
+# cache refuses it up front (and has it in the fingerprint) instead of handing over the wrong bytes.
 _WEIGHT_LAYOUTS: dict[str, str] = {}
 
 
@@ -86,22 +84,53 @@ def check_backend(backend: str) -> None:
     _resolve(backend)
 
 
-def _static(value: StaticScale, name: str) -> float | np.ndarray | jax.Array:
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
-        # A device vector (tensor-parallel per-channel scales differ per device); scalars must be static.
-        if name == "w_scale" and value.ndim == 1:
-            return value.astype(jnp.float32)
-        raise TypeError(f"{name} must be static (a float or numpy array), not a traced value")
-    if isinstance(value, StaticArray):
-        value = value.array
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = float(value)
-    return np.asarray(value, np.float32) if isinstance(value, np.ndarray) else float(np.float32(value))
+def _is_traced(value) -> bool:
+    return isinstance(value, (jax.Array, jax.core.Tracer))
 
 
-def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array, w_scale: StaticScale,
+def epilogue_of(x_scale, w_scale, n: int) -> tuple[Fp8Epilogue, jax.Array | None, jax.Array | None]:
+    """``(epilogue, row, col)`` for loose scales: ``x_scale`` a static float or per-row data,
+    ``w_scale`` a static float / length-N vector or (tensor parallelism) a length-N device vector.
+
+    The folding itself is :meth:`Fp8Epilogue.fold`, the same one the schemes' plans use.
+    """
+    row = x_scale if _is_traced(x_scale) else None
+    if row is None:
+        if isinstance(x_scale, StaticArray):
+            x_scale = x_scale.array
+        if np.ndim(x_scale) != 0:
+            raise ValueError("fp8_gemm: a static x_scale must be a scalar")
+        x_scale = float(np.float32(x_scale))
+    if _is_traced(w_scale):
+        if w_scale.ndim != 1:
+            raise TypeError("fp8_gemm: w_scale must be static (a float or numpy array) or a length-N device "
+                            "vector, not a traced scalar")
+        if w_scale.shape != (n,):
+            raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
+        return Fp8Epilogue.fold(None if row is not None else x_scale, None, col_is_data=True), row, w_scale
+    w = np.asarray(w_scale.array if isinstance(w_scale, StaticArray) else w_scale, np.float32)
+    if w.ndim == 0:
+        w = float(w)
+    elif w.shape != (n,):
+        raise ValueError(f"fp8_gemm: w_scale vector has shape {w.shape}, expected ({n},)")
+    return Fp8Epilogue.fold(None if row is not None else x_scale, w), row, None
+
+
+def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array, w_scale: StaticScale | jax.Array,
              bias: jax.Array | None = None, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
-    """Scaled FP8 GEMM; leading batch dims of ``x_q`` are reshaped (not copied) to one M axis."""
+    """Scaled FP8 GEMM from loose scales (see :func:`epilogue_of`), e.g. for tests and benchmarks."""
+    epilogue, row, col = epilogue_of(x_scale, w_scale, w_q.shape[0])
+    return scaled_fp8_gemm(x_q, w_q, epilogue, row=row, col=col, bias=bias, out_dtype=out_dtype, backend=backend)
+
+
+def scaled_fp8_gemm(x_q: jax.Array, w_q: jax.Array, epilogue: Fp8Epilogue, *, row: jax.Array | None = None,
+                    col: jax.Array | None = None, bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+                    backend: str = "auto") -> jax.Array:
+    """The GEMM a planned layer runs; leading batch dims of ``x_q`` are reshaped (not copied) to M.
+
+    ``row`` (per-token scales, shape ``x_q.shape[:-1]``) must be given exactly when
+    ``epilogue.per_token``; ``col`` (a length-N device vector) exactly when ``epilogue.col_is_data``.
+    """
     if x_q.dtype != jnp.float8_e4m3fn or w_q.dtype != jnp.float8_e4m3fn:
         raise TypeError(f"fp8_gemm expects float8_e4m3fn operands, got {x_q.dtype} and {w_q.dtype}")
     n, k = w_q.shape
@@ -109,35 +138,40 @@ def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array
         raise ValueError(f"fp8_gemm: x has K={x_q.shape[-1]} but the weight [N={n}, K={k}] needs K={k}")
     lead = x_q.shape[:-1]
     m = int(np.prod(lead, dtype=np.int64))
-    w_scale = _static(w_scale, "w_scale")
-    if not isinstance(w_scale, float) and w_scale.shape != (n,):
-        raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
-    if isinstance(x_scale, (jax.Array, jax.core.Tracer)):
-        if x_scale.shape not in (lead, lead + (1,)):
-            raise ValueError(f"fp8_gemm: dynamic x_scale has shape {x_scale.shape}, expected {lead}")
-        x_scale = x_scale.reshape(m).astype(jnp.float32)
-    else:
-        x_scale = _static(x_scale, "x_scale")
-        if isinstance(x_scale, np.ndarray):
-            raise ValueError("fp8_gemm: a static x_scale must be a scalar")
+    if (row is not None) != epilogue.per_token:
+        raise ValueError(f"fp8_gemm: per-token row scales {'missing' if row is None else 'given'} but the "
+                         f"epilogue is {'' if epilogue.per_token else 'not '}per-token")
+    if row is not None:
+        if row.shape not in (lead, lead + (1,)):
+            raise ValueError(f"fp8_gemm: dynamic x_scale has shape {row.shape}, expected {lead}")
+        row = row.reshape(m).astype(jnp.float32)
+    if (col is not None) != epilogue.col_is_data:
+        raise ValueError("fp8_gemm: a data column scale must be given exactly when the epilogue says col_is_data")
+    if col is None and epilogue.col is not None:
+        col = epilogue.col.array
+    if col is not None and col.shape != (n,):
+        raise ValueError(f"fp8_gemm: column scale has shape {col.shape}, expected ({n},)")
+    if col is not None and not isinstance(col, np.ndarray):
+        col = col.astype(jnp.float32)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"fp8_gemm: bias has shape {bias.shape}, expected ({n},)")
-    y = _resolve(backend)(x_q.reshape(m, k), w_q, x_scale=x_scale, w_scale=w_scale, bias=bias,
+    y = _resolve(backend)(x_q.reshape(m, k), w_q, alpha=np.float32(epilogue.alpha), row=row, col=col, bias=bias,
                           out_dtype=out_dtype)
     return y.reshape(*lead, n)
 
 
-def _xla_fp8_gemm(x_q, w_q, *, x_scale, w_scale, bias, out_dtype):
-    """Pure-XLA path: an FP8 dot with float32 accumulation, then the scale/bias epilogue.
+def _xla_fp8_gemm(x_q, w_q, *, alpha, row, col, bias, out_dtype):
+    """Pure-XLA path: an FP8 dot with float32 accumulation, then the epilogue in the kernels' order.
 
     Runs on CPU and TPU (which upcast internally) and on CUDA (where XLA may call cuBLASLt FP8).
     """
-    acc = jax.lax.dot_general(x_q, w_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    if isinstance(x_scale, float) and isinstance(w_scale, float):
-        y = acc * np.float32(np.float32(x_scale) * np.float32(w_scale))
-    else:
-        y = acc * (w_scale if isinstance(w_scale, float) else w_scale[None, :])
-        y = y * (x_scale if isinstance(x_scale, float) else x_scale[:, None])
+    y = jax.lax.dot_general(x_q, w_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if alpha != 1:
+        y = y * alpha
+    if row is not None:
+        y = y * row[:, None]
+    if col is not None:
+        y = y * col[None, :]
     if bias is not None:
         y = y + bias.astype(jnp.float32)[None, :]
     return y.astype(out_dtype)
@@ -148,19 +182,18 @@ register_backend("xla", _xla_fp8_gemm)
 
 def _cutlass_qualifies(x_q, w_q, out_dtype) -> bool:
     n, k = w_q.shape
-    return jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16) and k % 16 == 0 and n % 8 == 0
+    return jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16) and cutlass_can_run(n, k)
 
 
-def _auto(x_q, w_q, *, x_scale, w_scale, bias, out_dtype):
+def _auto(x_q, w_q, **kwargs):
     """XLA everywhere, except CUDA with our kernel built and a qualifying call: chosen at lowering."""
     from modelopt_jax.ops import ffi_gemm, native
 
-    kwargs = dict(x_scale=x_scale, w_scale=w_scale, bias=bias, out_dtype=out_dtype)
     native.warn_if_gpu_without_kernels()
-    if not (native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, out_dtype)):
+    if not (native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"])):
         return _xla_fp8_gemm(x_q, w_q, **kwargs)
     return jax.lax.platform_dependent(
-        x_q, w_q, cuda=lambda x, w: ffi_gemm.ffi_fp8_gemm(x, w, **kwargs),
+        x_q, w_q, cuda=lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs),
         default=lambda x, w: _xla_fp8_gemm(x, w, **kwargs))
 
 
@@ -168,7 +201,7 @@ def _register_native() -> None:
     from modelopt_jax.ops import ffi_gemm, native
 
     if native.has_cpu_handler() or native.has_cuda_handler():
-        register_backend("cutlass", ffi_gemm.ffi_fp8_gemm)
+        register_backend("cutlass", ffi_gemm.ffi_scaled_gemm)
     else:
         _UNAVAILABLE["cutlass"] = ("the native FFI library was not found (reinstall with `pip install .`; "
                                    "see README: build)")

@@ -1,5 +1,1 @@
-"""Quantization schemes: how each ModelOpt format is read, fused and run."""
-
-from modelopt_jax.quant.schemes import SCHEMES, LinearScheme, ShardTensors
-
-__all__ = ["SCHEMES", "LinearScheme", "ShardTensors"]
+"""Quantization schemes: how each ModelOpt format is planned (:mod:`.plan`), processed and run (:mod:`.schemes`)."""

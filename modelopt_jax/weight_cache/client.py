@@ -1,26 +1,29 @@
-"""Load side: attach to a matching daemon, or fall back to an ordinary load (mode ``auto``).
+"""Load side: the weight cache as a provider of processed arrays (:class:`CacheWeights`).
 
-``off`` never touches a socket. ``auto`` attaches if a daemon for the device serves a cache with
-this exact fingerprint, else loads from disk and logs why. ``require`` attaches or raises
-:class:`WeightCacheError`; while a daemon is still loading (its pid is in the lock file but the
-socket is not open yet) it waits up to ``timeout`` seconds. The attached model is built by the
-family's ordinary builder over a :class:`~.layout.ReplaySource`: device arrays are zero-copy
-views of the daemon's store (its CUDA allocation mapped over IPC on a GPU, its shared memory
-elsewhere), static scales are compiled in as constants as usual.
+``load(weight_cache=...)`` picks the provider: ``off`` never touches a socket; ``auto`` attaches if
+a daemon for the device serves a cache with this exact fingerprint, else loads from disk and logs
+why; ``require`` attaches or raises :class:`WeightCacheError`, and while a daemon is still loading
+(its pid is in the lock file but the socket is not open yet) it waits up to the timeout. The
+daemon's reply carries its :class:`~modelopt_jax.quant.plan.ModelPlan` and a state path -> offset
+index; the model is then built by the same pipeline stage as a disk load, around zero-copy views
+of the daemon's store (its CUDA allocation mapped over IPC on a GPU, its shared memory
+elsewhere). Static scales come from the plan and are compiled in as constants as usual.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import socket
 import time
 
 import jax
 
-from modelopt_jax.errors import WeightCacheError
-from modelopt_jax.weight_cache import MODES, fingerprint, host_store, paths, placement, protocol
-from modelopt_jax.weight_cache.layout import ReplaySource, check_supported
+from modelopt_jax.errors import ConfigError, WeightCacheError
+from modelopt_jax.pipeline import check_plan_matches
+from modelopt_jax.quant.plan import ModelPlan
+from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
+from modelopt_jax.weight_cache.layout import check_supported
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 60.0
@@ -66,13 +69,13 @@ def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: floa
     return reply
 
 
-def _attach_rank(ckpt, *, dtype, backend: str, socket_dir, device: int, mode: str, timeout: float, rank: int = 0,
-                 tensor_parallel: int = 1):
-    """Attaches to the daemon of local device ``device``; returns (ReplaySource, keep-alive, placement)."""
+def _attach_rank(ckpt, *, dtype, backend: str, options, device: int, rank: int = 0, tensor_parallel: int = 1):
+    """Attaches to the daemon of local device ``device``: (plan JSON, {state path: array}, keep-alive)."""
     where = placement.resolve(device)
     fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device=where.label, rank=rank,
                              tensor_parallel=tensor_parallel)
-    reply = _attach_reply(fp, socket_dir=socket_dir, device=device, mode=mode, timeout=timeout)
+    timeout = DEFAULT_TIMEOUT if options.timeout is None else float(options.timeout)
+    reply = _attach_reply(fp, socket_dir=options.socket_dir, device=device, mode=options.mode, timeout=timeout)
     try:
         if reply.get("store", "host") != where.store:
             raise WeightCacheError(f"weight-cache daemon keeps a {reply.get('store')!r} store; this process needs "
@@ -85,91 +88,50 @@ def _attach_rank(ckpt, *, dtype, backend: str, socket_dir, device: int, mode: st
             keep, views = host_store.attach(reply["shm_name"], reply["index"])
             # 64-byte aligned host pages: adopted by XLA:CPU as the device buffers, not copied
             arrays = {k: jax.device_put(v, where.jax_device) for k, v in views.items()}
-        return ReplaySource(reply["layout"], arrays), keep, where
+        return ModelPlan.from_json(reply["plan"]), arrays, keep
     except (KeyError, TypeError, ValueError) as e:
-        raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
+        raise WeightCacheError(f"weight-cache daemon sent an inconsistent reply: {e!r}") from e
 
 
-class _PerDevice:
-    """Runs each rank's replay on its own device (the modules a rank rebuilds live there)."""
+@dataclasses.dataclass
+class CacheWeights:
+    """The weight cache as a provider of processed arrays: the daemons' plan and zero-copy views.
 
-    def __init__(self, source: ReplaySource, where):
-        self.source, self.where = source, where
-
-    def __getattr__(self, name):
-        method = getattr(self.source, name)
-
-        def call(*args, **kwargs):
-            with self.where.default_device():
-                return method(*args, **kwargs)
-        return call
-
-
-def attach(path, *, dtype, backend: str, socket_dir=None, device: int = 0, mode: str = "require",
-           timeout: float = DEFAULT_TIMEOUT, ckpt=None, mesh=None):
-    """Builds the model around the daemons' buffers; raises WeightCacheError when it cannot.
-
-    Without ``mesh``: the daemon of local device ``device``. With a tensor-parallel ``mesh``: the
-    daemon of every local mesh device (rank i = mesh device i), whose per-device modules are
-    stitched into global arrays exactly as ``load(mesh=...)`` would place them.
+    ``per_device`` holds one ``{state path: array}`` per local mesh device (mesh order), ``stores``
+    one mapping per attached daemon, which must outlive the arrays that view it.
     """
-    from modelopt_jax.checkpoint import Checkpoint
-    from modelopt_jax.loader import finish_model, model_config_for
-    from modelopt_jax.models import FAMILIES
 
-    ckpt = ckpt or Checkpoint.open(path)
-    check_supported(ckpt.quant_config, backend)
-    kw = dict(dtype=dtype, backend=backend, socket_dir=socket_dir, mode=mode, timeout=timeout)
-    if mesh is None:
-        ranks = [(0, 1, device)]
-    else:
-        local = jax.local_devices()
-        tp = mesh.devices.size
-        ranks = [(i, tp, local.index(d)) for i, d in enumerate(mesh.devices.flat)
-                 if d.process_index == jax.process_index()]
-    attached = [_attach_rank(ckpt, device=dev, rank=rank, tensor_parallel=tp, **kw) for rank, tp, dev in ranks]
-    sources = [_PerDevice(source, where) for source, _, where in attached]
-    if mesh is not None:
-        from modelopt_jax import parallel
+    plan: ModelPlan
+    per_device: list[dict]
+    stores: list
 
-        sources = [parallel.StitchingSource(sources, mesh)]
-    # single device: anything the builder makes besides weights goes to that device too
-    on_device = attached[0][2].default_device() if mesh is None else contextlib.nullcontext()
-    try:
-        with on_device:
-            model = FAMILIES[ckpt.model_config.family](model_config_for(ckpt, mesh), sources[0], dtype=dtype)
-        for source, _, _ in attached:
-            source.finish()
-    except (KeyError, TypeError, ValueError) as e:
-        raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
-    model = finish_model(model, ckpt, mesh)
-    # One store per attached daemon (rank order), each with span() -> (address, bytes). They must
-    # outlive the arrays that view them (host: shared memory; cuda: the IPC mapping).
-    model.weight_cache_stores = [store for _, store, _ in attached]
-    model.weight_cache_source = "daemon"
-    return model
+    source = "daemon"
 
+    @staticmethod
+    def attach(ckpt, options, *, dtype, backend: str, mesh=None) -> "CacheWeights":
+        """Attaches to the daemon of every local device the model needs; raises WeightCacheError when it cannot.
 
-def load_with_cache(path, *, dtype, backend: str, mode: str, socket_dir=None, device: int = 0,
-                    timeout: float | None = None, ordinary_load, mesh=None):
-    """``load(weight_cache=mode)``: attach, or fall back to ``ordinary_load()`` in ``auto`` mode."""
-    from modelopt_jax.checkpoint import Checkpoint
-
-    if mode not in MODES:
-        raise ValueError(f"weight_cache={mode!r} not supported; use one of {', '.join(MODES)}")
-    ckpt = Checkpoint.open(path)
-    check_supported(ckpt.quant_config, backend)  # before any slow work, in every mode but off
-    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    try:
-        model = attach(path, dtype=dtype, backend=backend, socket_dir=socket_dir, device=device, mode=mode,
-                       timeout=timeout, ckpt=ckpt, mesh=mesh)
-    except WeightCacheError as e:
-        if mode == "require":
-            raise
-        log.warning("weight cache: %s; loading %s from disk", e, ckpt.directory)
-        model = ordinary_load()
-        model.weight_cache_source = "disk"
-        return model
-    log.info("weight cache: attached %s from the daemon%s", ckpt.directory,
-             f" for device {device}" if mesh is None else f"s of {mesh.devices.size} tensor-parallel devices")
-    return model
+        Without ``mesh``: the daemon of local device ``options.device``. With a tensor-parallel
+        ``mesh``: the daemon of every local mesh device (rank i = mesh device i).
+        """
+        check_supported(backend)  # before any socket work
+        if mesh is None:
+            ranks = [(0, 1, options.device)]
+        else:
+            local = jax.local_devices()
+            tp = mesh.devices.size
+            ranks = [(i, tp, local.index(d)) for i, d in enumerate(mesh.devices.flat)
+                     if d.process_index == jax.process_index()]
+        attached = [_attach_rank(ckpt, dtype=dtype, backend=backend, options=options, device=dev, rank=rank,
+                                 tensor_parallel=tp) for rank, tp, dev in ranks]
+        plan = attached[0][0]
+        if any(p != plan for p, _, _ in attached[1:]):
+            raise WeightCacheError("the tensor-parallel ranks' daemons serve different plans")
+        try:
+            check_plan_matches(plan, ckpt.model_config, dtype=dtype, backend=backend, tensor_parallel=ranks[0][1],
+                               where="weight-cache daemon")
+        except ConfigError as e:
+            raise WeightCacheError(str(e)) from e
+        log.info("weight cache: attached %s from the daemon%s", ckpt.directory,
+                 f" for device {options.device}" if mesh is None else f"s of {mesh.devices.size} tensor-parallel devices")
+        return CacheWeights(plan, [arrays for _, arrays, _ in attached], [keep for _, _, keep in attached])

@@ -2,8 +2,8 @@
 
 Order of events, and why: take the per-device lock (fcntl.flock, so exactly one daemon per
 device and the lock dies with the process), write our pid into it (clients use it to tell "still
-loading" from "absent"), check the scheme is shareable (before any slow work), load and process
-exactly as :func:`modelopt_jax.load` does while recording the layout, copy the arrays into the
+loading" from "absent"), check the GEMM backend's weight layout is shareable (before any slow work), run the load
+pipeline's stages (:mod:`modelopt_jax.pipeline`: plan, process, check leftovers), copy the arrays into the
 store (one CUDA allocation exported over IPC on a GPU, POSIX shared memory elsewhere; see
 :mod:`.placement`), and only then bind the socket -- so a socket that exists always serves a
 complete cache.
@@ -26,9 +26,13 @@ import time
 
 import jax
 
+from modelopt_jax import pipeline
+from modelopt_jax.checkpoint import Checkpoint
+from modelopt_jax.dtypes import compute_dtype
 from modelopt_jax.errors import ConfigError, WeightCacheError, WeightCacheProtocolError
+from modelopt_jax.ops.gemm import check_backend
 from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
-from modelopt_jax.weight_cache.layout import RecordingSource, check_supported
+from modelopt_jax.weight_cache.layout import check_supported
 
 log = logging.getLogger(__name__)
 # Test hook: the uid the daemon accepts instead of its own (lets tests exercise the refusal path).
@@ -42,32 +46,16 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def process(path, *, dtype, backend: str, where: placement.Placement | None = None, rank: int = 0,
+def process(ckpt, *, dtype, backend: str, where: placement.Placement | None = None, rank: int = 0,
             tensor_parallel: int = 1):
-    """Loads ``path`` exactly like :func:`modelopt_jax.load` (on ``where``'s device) and records the
-    builder's calls. With ``tensor_parallel`` > 1 it builds only shard ``rank`` of the split that
-    ``load(mesh=...)`` makes (see :class:`modelopt_jax.parallel.RankWeights`).
-    Returns (checkpoint, model, recording source).
+    """The load pipeline's stages for one rank: plan, read and process onto ``where``'s device, check
+    leftovers. Returns (plan, {state path: device array}) -- exactly what ``load`` would build from.
     """
-    from modelopt_jax.checkpoint import Checkpoint
-    from modelopt_jax.loader import CheckpointWeights, _check_leftovers
-    from modelopt_jax.models import FAMILIES
-
-    ckpt = Checkpoint.open(path)
-    check_supported(ckpt.quant_config, backend)
-    inner = CheckpointWeights(ckpt, dtype=dtype, backend=backend)
-    config = ckpt.model_config
-    if tensor_parallel > 1:
-        from modelopt_jax import parallel
-
-        config = parallel.local_config(ckpt, tensor_parallel)
-        device = where.jax_device if where is not None and where.jax_device is not None else jax.devices()[0]
-        inner = parallel.RankWeights(inner, tensor_parallel, rank, device)
-    source = RecordingSource(inner)
-    with (where.default_device() if where is not None else contextlib.nullcontext()):
-        model = FAMILIES[ckpt.model_config.family](config, source, dtype=dtype)
-    _check_leftovers(ckpt)
-    return ckpt, model, source
+    plan = pipeline.plan_model(ckpt, dtype=dtype, backend=backend, tensor_parallel=tensor_parallel)
+    device = where.jax_device if where is not None else None
+    (arrays,) = pipeline.DiskWeights(ckpt).arrays(plan, [(rank, device)])
+    pipeline.check_leftovers(ckpt)
+    return plan, arrays
 
 
 def _remove_dead_segments(device: int) -> None:
@@ -100,9 +88,6 @@ def _remove_dead_segments(device: int) -> None:
 class Daemon:
     def __init__(self, model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
                  tensor_parallel: int = 1):
-        from modelopt_jax.loader import resolve_dtype
-        from modelopt_jax.ops.gemm import check_backend
-
         self.model_path = os.path.abspath(os.fspath(model_path))
         self.device = int(device)
         # Under tensor parallelism the daemon of device i serves shard i of load(mesh=make_mesh(tp)),
@@ -112,7 +97,7 @@ class Daemon:
             raise ConfigError(f"--device {self.device} is not a rank of a tensor-parallel split of size "
                               f"{self.tensor_parallel} (ranks are devices 0..{self.tensor_parallel - 1})")
         self.dir = paths.ensure_private_dir(paths.resolve_dir(socket_dir))
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = compute_dtype(dtype)
         self.backend = backend
         check_backend(backend)
         self.socket_path = paths.socket_path(self.dir, self.device)
@@ -140,40 +125,39 @@ class Daemon:
 
     def prepare(self) -> None:
         """Lock, load, process, publish into shared memory. Does not open the socket yet."""
-        from modelopt_jax.checkpoint import Checkpoint
-
         self._lock()
         if os.path.exists(self.socket_path):  # left by a killed daemon: we hold the lock, so it is stale
             os.unlink(self.socket_path)
-        check_supported(Checkpoint.open(self.model_path, check_quantization=False).quant_config, self.backend)
+        check_supported(self.backend)
+        ckpt = Checkpoint.open(self.model_path)
         self.placement = placement.resolve(self.device)
         if self.placement.store == "host":
             _remove_dead_segments(self.device)
         t0 = time.perf_counter()
         rank = self.device if self.tensor_parallel > 1 else 0
-        ckpt, model, source = process(self.model_path, dtype=self.dtype, backend=self.backend, where=self.placement,
-                                      rank=rank, tensor_parallel=self.tensor_parallel)
+        with self.placement.default_device():
+            plan, arrays = process(ckpt, dtype=self.dtype, backend=self.backend, where=self.placement, rank=rank,
+                                   tensor_parallel=self.tensor_parallel)
         self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend,
                                                device=self.placement.label, rank=rank,
                                                tensor_parallel=self.tensor_parallel)
         self.family = ckpt.model_config.family
-        self.layout = source.calls
+        self.plan = plan
         if self.placement.store == "cuda":
             from modelopt_jax.weight_cache import cuda_store
 
-            self.store, self.index = cuda_store.create(source.arrays, self.placement.ordinal)
+            self.store, self.index = cuda_store.create(arrays, self.placement.ordinal)
         else:
-            self.store, self.index = host_store.create(source.arrays,
-                                                       f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
+            self.store, self.index = host_store.create(arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
         self.nbytes = sum(e["nbytes"] for e in self.index.values())
-        # Encoded once: the layout is the bulk of every attach reply and never changes.
+        # Encoded once: the plan is the bulk of every attach reply and never changes.
         self.attach_reply = protocol.encode({"ok": True, **self.store.fields, "family": self.family,
-                                             "layout": self.layout, "index": self.index,
+                                             "plan": plan.to_json(), "index": self.index,
                                              "fingerprint": self.fingerprint})
         if len(self.attach_reply) > protocol.MAX_REPLY:
-            raise WeightCacheError(f"the layout of {self.model_path} encodes to {len(self.attach_reply)} bytes, over "
+            raise WeightCacheError(f"the plan of {self.model_path} encodes to {len(self.attach_reply)} bytes, over "
                                    f"the protocol's {protocol.MAX_REPLY}-byte reply limit")
-        del model, source  # the store is the cache now
+        del arrays  # the store is the cache now
         log.info("processed %s in %.1f s: %d arrays, %d bytes in %s", self.model_path,
                  time.perf_counter() - t0, len(self.index), self.nbytes, self.store.where)
 

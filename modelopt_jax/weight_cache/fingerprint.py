@@ -17,7 +17,7 @@ import os
 from modelopt_jax.checkpoint import Checkpoint
 
 # Bump whenever the processed form of any array changes (fusing, padding, scale layout, ...).
-LAYOUT_VERSION = 3  # 2: static scale vectors as base64 bytes; 3: tensor-parallel ranks
+LAYOUT_VERSION = 4  # 2: static scale vectors as base64 bytes; 3: tensor-parallel ranks; 4: plan + state paths
 
 
 def _h(data: bytes) -> str:
