@@ -19,11 +19,13 @@ import numpy as np
 from modelopt_jax.ops import native
 
 
-def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, config: int = -1,
-                 out_init: jax.Array | None = None) -> jax.Array:
+def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, tile: int = -1,
+                 swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None) -> jax.Array:
     """``x_q`` [M, K] (already 2-D), ``w_q`` [N, K]; scales as normalised by ``fp8_gemm``.
 
-    ``config`` forces a compiled CUDA tile configuration (tuning/benchmarks; -1 = by M bucket).
+    The CUDA kernel choice, for tuning and benchmarks: ``tile`` forces a compiled tile configuration
+    (-1 = by M bucket); ``swizzle`` (1, 2, 4 or 8) and ``raster`` (0 heuristic, 1 along M, 2 along N)
+    set the persistent tile scheduler. The handlers reject other values.
     ``out_init`` [M, N] is aliased to the output (tests fill it with NaN to catch unwritten
     elements).
     """
@@ -56,4 +58,5 @@ def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_
     call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
                             vmap_method="broadcast_all", input_output_aliases=aliases)
     return call(*operands, alpha=alpha, has_row_scale=row is not None, has_col_scale=col is not None,
-                has_bias=bias is not None, has_out_init=out_init is not None, config=np.int32(config))
+                has_bias=bias is not None, has_out_init=out_init is not None, tile=np.int32(tile),
+                swizzle=np.int32(swizzle), raster=np.int32(raster))
