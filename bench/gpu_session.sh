@@ -25,8 +25,8 @@ for c in range(native.config_count()):
     for m, n, k in [(1, 256, 128), (37, 264, 512), (300, 1024, 256)]:
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.float8_e4m3fn)
         w = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)).astype(jnp.float8_e4m3fn)
-        ffi_fp8_gemm(x, w, x_scale=jnp.ones(m), w_scale=np.ones(n, np.float32), bias=jnp.ones(n), out_dtype=jnp.bfloat16, config=c).block_until_ready()
-        ffi_fp8_gemm(x, w, x_scale=0.5, w_scale=0.5, bias=None, out_dtype=jnp.float16, config=c).block_until_ready()
+        ffi_fp8_gemm(x, w, x_scale=jnp.ones(m), w_scale=np.ones(n, np.float32), bias=jnp.ones(n), out_dtype=jnp.bfloat16, tile=c).block_until_ready()
+        ffi_fp8_gemm(x, w, x_scale=0.5, w_scale=0.5, bias=None, out_dtype=jnp.float16, tile=c).block_until_ready()
 print('memcheck sample done')
 " 2>&1 | tail -15 | tee "$OUT/memcheck.log" ;;
     tune) shift; args=(); while [ $# -gt 0 ] && [ "$1" != bench ] && [ "$1" != tests ]; do args+=("$1"); shift; done

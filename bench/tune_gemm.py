@@ -1,8 +1,9 @@
 """Tile-configuration tuning for the CUTLASS FP8 GEMM (H200; not a test).
 
-Times every compiled configuration (the ``config`` attribute forces one) on Llama-3 shapes for each
-M, prints the best per M bucket and writes JSON. The chosen table goes into
-ffi/cuda/sm90_configs.cu (ChooseSm90Config) and the measurements into bench/RESULTS.md.
+Times every compiled tile configuration (the ``tile`` attribute forces one), under each given
+scheduler ``swizzle`` and ``raster``, on Llama-3 shapes for each M, prints the best per M bucket and
+writes JSON. The chosen table goes into ffi/cuda/sm90_configs.cu (ChooseSm90Config) and the
+measurements into bench/RESULTS.md.
 
     python bench/tune_gemm.py [--shapes 8B.qkv,8B.down] [--ms 1,16,128] [--json tune.json]
 """
@@ -29,24 +30,29 @@ DEFAULT_SHAPES = "8B.qkv,8B.gate_up,8B.down,70B.gate_up,70B.down"
 DEFAULT_MS = "1,8,16,32,64,128,256,512,1024,2048,4096,8192"
 
 
+def _label(tile: int, swizzle: int, raster: int) -> str:
+    """Short name of one kernel choice, e.g. "5", "5s8", "5s8r2"."""
+    return f"{tile}" + (f"s{swizzle}" if swizzle > 1 else "") + (f"r{raster}" if raster else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--ms", default=DEFAULT_MS)
-    ap.add_argument("--configs", default="all", help="tile configuration indices, or 'all'")
+    ap.add_argument("--tiles", default="all", help="tile configuration indices, or 'all'")
     ap.add_argument("--swizzles", default="1", help="scheduler swizzle sizes to try, e.g. 1,4,8")
     ap.add_argument("--rasters", default="0", help="raster orders to try: 0 heuristic, 1 along M, 2 along N")
     ap.add_argument("--json")
     args = ap.parse_args()
     count = native.config_count()
-    indices = range(count) if args.configs == "all" else [int(c) for c in args.configs.split(",")]
-    configs, names = [], {}
-    for i in indices:
+    tiles = range(count) if args.tiles == "all" else [int(t) for t in args.tiles.split(",")]
+    configs, names = {}, {}  # short label -> (tile, swizzle, raster), and -> description
+    for tile in tiles:
         for sw in [int(v) for v in args.swizzles.split(",")]:
             for r in [int(v) for v in args.rasters.split(",")]:
-                c = i | (sw.bit_length() - 1) << 8 | r << 12  # packed as ffi/cuda/gemm_launch.h says
-                configs.append(c)
-                names[c] = native.config_name(i) + (f" swz{sw}" if sw > 1 else "") + (f" r{r}" if r else "")
+                c = _label(tile, sw, r)
+                configs[c] = (tile, sw, r)
+                names[c] = native.config_name(tile) + (f" swz{sw}" if sw > 1 else "") + (f" r{r}" if r else "")
     print("# configs:", names, flush=True)
     results = []
     for shape in args.shapes.split(","):
@@ -56,15 +62,18 @@ def main():
             reps = repetitions(n * k + m * k + 2 * m * n, 40 if flops < 1e11 else 8)
             xs, ws = _inputs(m, n, k, reps)
             times = {}
-            for c in configs:
+            for c, (tile, sw, r) in configs.items():
                 try:
-                    times[c] = time_jax(lambda x, w, c=c: ffi_fp8_gemm(
-                        x, w, x_scale=0.01, w_scale=0.001, bias=None, out_dtype=jnp.bfloat16, config=c), xs, ws)
+                    times[c] = time_jax(lambda x, w, tile=tile, sw=sw, r=r: ffi_fp8_gemm(
+                        x, w, x_scale=0.01, w_scale=0.001, bias=None, out_dtype=jnp.bfloat16, tile=tile,
+                        swizzle=sw, raster=r), xs, ws)
                 except Exception as e:  # a config that cannot implement this shape
                     print(f"  config {c} failed for {shape} M={m}: {str(e)[:120]}", flush=True)
             best = min(times, key=times.get)
+            tile, sw, r = configs[best]
             results.append({"shape": shape, "m": m, "n": n, "k": k, "us": {names[c]: t * 1e6 for c, t in times.items()},
-                            "best": names[best], "best_index": best, "best_tflops": flops / times[best] / 1e12})
+                            "best": names[best], "best_tile": tile, "best_swizzle": sw, "best_raster": r,
+                            "best_tflops": flops / times[best] / 1e12})
             line = "  ".join(f"{c}:{flops / t / 1e12:6.0f}" for c, t in times.items())
             print(f"{shape:12s} M={m:5d} best={best} ({flops / times[best] / 1e12:6.1f} TF/s, "
                   f"{n * k / times[best] / 1e12:.2f} TB/s)  [{line}]", flush=True)

@@ -69,9 +69,10 @@ uint16_t ToF16(float f) {
 
 ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
                       ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale, bool has_col_scale,
-                      bool has_bias, bool has_out_init, int32_t /*config: CUDA tile configuration, unused here*/) {
-  Fp8GemmProblem p;
-  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init, &p);
+                      bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle, int32_t raster) {
+  Fp8GemmProblem p;  // tile, swizzle and raster are validated there and unused here (CUDA kernel choice)
+  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init,
+                                   tile, swizzle, raster, &p);
       e.failure()) {
     return e;
   }

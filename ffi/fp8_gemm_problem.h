@@ -5,10 +5,11 @@
 // a: activation [M, K] float8_e4m3fn, row-major. b: weight as stored in the checkpoint [N, K]
 // float8_e4m3fn (K-major, never transposed). row_scale [M], col_scale [N] and bias [N] are optional
 // float32 buffers (announced by the has_* attributes, passed in that order after a and b); alpha is
-// a compile-time attribute. With has_out_init, one more operand follows: a buffer aliased to the
-// output (tests pre-fill it with NaN to prove that the kernel writes every element). The CPU
-// reference handler and the CUDA handler share this parser so that both accept and reject exactly
-// the same calls with the same messages.
+// a compile-time attribute, and so are tile, swizzle and raster, the CUDA kernel choice (see
+// Fp8GemmProblem; the CPU handler validates and ignores them). With has_out_init, one more operand
+// follows: a buffer aliased to the output (tests pre-fill it with NaN to prove that the kernel
+// writes every element). The CPU reference handler and the CUDA handler share this parser so that
+// both accept and reject exactly the same calls with the same messages.
 #ifndef MODELOPT_JAX_FFI_FP8_GEMM_PROBLEM_H_
 #define MODELOPT_JAX_FFI_FP8_GEMM_PROBLEM_H_
 
@@ -34,6 +35,11 @@ struct Fp8GemmProblem {
   void* out = nullptr;
   OutType out_type = OutType::kBF16;
   float alpha = 1.0f;
+  // Kernel choice (CUDA), named like the options of CUTLASS's persistent tile scheduler
+  // (example 54: max_swizzle_size, raster_order):
+  int tile = -1;    // compiled tile configuration index; -1 = choose by M
+  int swizzle = 1;  // tiles swizzled in groups of 1, 2, 4 or 8 (L2 reuse)
+  int raster = 0;   // 0 heuristic, 1 along M, 2 along N
 };
 
 inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
@@ -63,7 +69,16 @@ inline ffi::Error TakeVector(ffi::RemainingArgs extra, size_t* index, const char
 
 inline ffi::Error ParseFp8GemmProblem(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
                                       ffi::AnyBuffer out, float alpha, bool has_row_scale, bool has_col_scale,
-                                      bool has_bias, bool has_out_init, Fp8GemmProblem* p) {
+                                      bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle,
+                                      int32_t raster, Fp8GemmProblem* p) {
+  // The upper bound of tile depends on the device's kernel table; the CUDA handler checks it.
+  if (tile < -1) return Invalid("tile must be -1 (choose by M) or a configuration index, got " + std::to_string(tile));
+  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) {
+    return Invalid("swizzle must be 1, 2, 4 or 8, got " + std::to_string(swizzle));
+  }
+  if (raster < 0 || raster > 2) {
+    return Invalid("raster must be 0 (heuristic), 1 (along M) or 2 (along N), got " + std::to_string(raster));
+  }
   auto ad = a.dimensions(), bd = b.dimensions(), od = out.dimensions();
   if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN) {
     return Invalid("a and b must be float8_e4m3fn");
@@ -109,6 +124,9 @@ inline ffi::Error ParseFp8GemmProblem(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
   p->b = b.untyped_data();
   p->out = out.untyped_data();
   p->alpha = alpha;
+  p->tile = tile;
+  p->swizzle = swizzle;
+  p->raster = raster;
   return ffi::Error::Success();
 }
 
@@ -125,7 +143,9 @@ auto BindFp8GemmOperands(Binding binding) {
       .template Attr<bool>("has_col_scale")
       .template Attr<bool>("has_bias")
       .template Attr<bool>("has_out_init")
-      .template Attr<int32_t>("config");
+      .template Attr<int32_t>("tile")
+      .template Attr<int32_t>("swizzle")
+      .template Attr<int32_t>("raster");
 }
 
 }  // namespace modelopt_jax

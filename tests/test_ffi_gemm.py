@@ -83,17 +83,47 @@ def test_every_element_is_written(request, on_cpu):
     assert np.isfinite(np.asarray(y, np.float32)).all()
 
 
+KERNEL_CHOICE = dict(tile=np.int32(-1), swizzle=np.int32(1), raster=np.int32(0))
+
+
 def test_handler_rejects_bad_operands_with_a_python_error(request, on_cpu):
     rng = _rng(request)
     x_q, w_q = jnp.asarray(_fp8(rng, (4, 32))), jnp.asarray(_fp8(rng, (16, 32)))
     call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((4, 16), jnp.bfloat16))
     with pytest.raises(Exception, match="col_scale must be float32 \\[16\\]"):
         call(x_q, w_q, jnp.ones(15, jnp.float32), alpha=np.float32(1), has_row_scale=False, has_col_scale=True,
-             has_bias=False, has_out_init=False, config=np.int32(-1)).block_until_ready()
+             has_bias=False, has_out_init=False, **KERNEL_CHOICE).block_until_ready()
     with pytest.raises(Exception, match="K mismatch"):
         jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((4, 16), jnp.bfloat16))(
             x_q, jnp.asarray(_fp8(rng, (16, 48))), alpha=np.float32(1), has_row_scale=False, has_col_scale=False,
-            has_bias=False, has_out_init=False, config=np.int32(-1)).block_until_ready()
+            has_bias=False, has_out_init=False, **KERNEL_CHOICE).block_until_ready()
+
+
+@pytest.mark.parametrize("choice,message", [
+    (dict(swizzle=3), "swizzle must be 1, 2, 4 or 8, got 3"),
+    (dict(swizzle=16), "swizzle must be 1, 2, 4 or 8, got 16"),
+    (dict(raster=3), "raster must be 0 \\(heuristic\\), 1 \\(along M\\) or 2 \\(along N\\), got 3"),
+    (dict(raster=-1), "raster must be .*, got -1"),
+    (dict(tile=-2), "tile must be -1 \\(choose by M\\) or a configuration index, got -2"),
+])
+def test_handler_validates_the_kernel_choice(request, choice, message, on_cpu):
+    """tile, swizzle and raster are validated by the shared parser, so the CPU handler rejects them too."""
+    rng = _rng(request)
+    x_q, w_q = jnp.asarray(_fp8(rng, (4, 32))), jnp.asarray(_fp8(rng, (16, 32)))
+    with pytest.raises(Exception, match=message):
+        ffi_fp8_gemm(x_q, w_q, x_scale=0.5, w_scale=0.25, bias=None, out_dtype=jnp.bfloat16,
+                     **choice).block_until_ready()
+
+
+def test_handler_accepts_every_valid_scheduler_option(request, on_cpu):
+    rng = _rng(request)
+    x_q, w_q = jnp.asarray(_fp8(rng, (4, 32))), jnp.asarray(_fp8(rng, (16, 32)))
+    want = ffi_fp8_gemm(x_q, w_q, x_scale=0.5, w_scale=0.25, bias=None, out_dtype=jnp.float32)
+    for swizzle in (1, 2, 4, 8):
+        for raster in (0, 1, 2):
+            got = ffi_fp8_gemm(x_q, w_q, x_scale=0.5, w_scale=0.25, bias=None, out_dtype=jnp.float32, tile=0,
+                               swizzle=swizzle, raster=raster)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 cuda_lib = pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA FFI library not built (nvcc absent)")
@@ -111,6 +141,7 @@ def test_auto_lowers_to_our_custom_call_for_cuda_with_static_alpha(request):
     call = re.search(r'stablehlo.custom_call @modelopt_fp8_gemm\(([^)]*)\).*', text)
     assert call, text
     assert "alpha = 6.250000e-02 : f32" in call.group(0) and "has_row_scale = false" in call.group(0)
+    assert all(a in call.group(0) for a in ("tile = -1 : i32", "swizzle = 1 : i32", "raster = 0 : i32"))
     assert len(call.group(1).split(",")) == 2  # only a and b: the scales are attributes, not buffers
     # Lowering for the CPU picks XLA's dot instead.
     cpu = jax.jit(lambda a, b: fp8_gemm(a, b, x_scale=0.125, w_scale=0.5, out_dtype=jnp.bfloat16)).trace(

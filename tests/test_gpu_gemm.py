@@ -26,7 +26,7 @@ E4M3 = ml_dtypes.float8_e4m3fn
 SHAPES = [(6144, 4096), (4096, 14336), (1024, 4096)]  # Llama-3-8B qkv, down; a narrow layer
 
 
-def _check(m, n, k, variant, out_dtype, seed, config=-1):
+def _check(m, n, k, variant, out_dtype, seed, tile=-1, swizzle=1, raster=0):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((m, k)) * 60).clip(-448, 448).astype(np.float32).astype(E4M3)
     w = (rng.standard_normal((n, k)) * 60).clip(-448, 448).astype(np.float32).astype(E4M3)
@@ -35,7 +35,7 @@ def _check(m, n, k, variant, out_dtype, seed, config=-1):
     bias = rng.standard_normal(n).astype(np.float32) if "bias" in variant else None
     out = jax.jit(lambda a, b, xs, bb, o: ffi_fp8_gemm(
         a, b, x_scale=xs if "row" in variant else x_scale, w_scale=w_scale, bias=bb, out_dtype=out_dtype,
-        config=config, out_init=o))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(x_scale),
+        tile=tile, swizzle=swizzle, raster=raster, out_init=o))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(x_scale),
                                     None if bias is None else jnp.asarray(bias),
                                     jnp.full((m, n), jnp.nan, out_dtype))
     got = np.asarray(out.astype(jnp.float32), np.float64)
@@ -64,10 +64,23 @@ def test_epilogues_and_dtypes(variant, out_dtype, m):
 def test_every_compiled_config_is_correct():
     count = native.config_count()
     assert count > 0
-    for config in range(count):
+    for tile in range(count):
         for m in (1, 64, 300):
-            _check(m, 2048, 1024, "row_col_bias", jnp.bfloat16, seed=config * 100 + m, config=config)
-            _check(m, 2048, 1024, "scalar", jnp.float16, seed=config * 100 + m + 1, config=config)
+            _check(m, 2048, 1024, "row_col_bias", jnp.bfloat16, seed=tile * 100 + m, tile=tile)
+            _check(m, 2048, 1024, "scalar", jnp.float16, seed=tile * 100 + m + 1, tile=tile)
+
+
+@pytest.mark.parametrize("swizzle,raster", [(2, 0), (8, 1), (4, 2)])
+@pytest.mark.parametrize("m", [1, 300, 1000])
+def test_scheduler_options_are_correct(swizzle, raster, m):
+    _check(m, 4096, 1024, "row_col_bias", jnp.bfloat16, seed=m + 10 * swizzle + raster, swizzle=swizzle,
+           raster=raster)
+
+
+def test_out_of_range_tile_is_an_error():
+    count = native.config_count()
+    with pytest.raises(Exception, match=f"tile {count} out of range \\({count} compiled"):
+        _check(16, 256, 128, "scalar", jnp.bfloat16, seed=0, tile=count)
 
 
 def test_unaligned_n_through_a_padded_layer(tmp_path):

@@ -1,7 +1,8 @@
 // XLA FFI handler of the modelopt_fp8_gemm op on CUDA: validates the call (shared parser with the
 // CPU handler), picks the architecture's kernel table by compute capability and a tile
-// configuration by M (or the one the `config` attribute names, for tuning), and launches on
-// XLA's stream. Every failure returns an ffi::Error; nothing aborts the process.
+// configuration by M (or the one the `tile` attribute names, for tuning; `swizzle` and `raster` set
+// the persistent tile scheduler), and launches on XLA's stream. Every failure returns an
+// ffi::Error; nothing aborts the process.
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -46,9 +47,11 @@ const char* StatusText(LaunchStatus s) {
 
 ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                        ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale,
-                       bool has_col_scale, bool has_bias, bool has_out_init, int32_t config) {
+                       bool has_col_scale, bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle,
+                       int32_t raster) {
   Fp8GemmProblem p;
-  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init, &p);
+  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init,
+                                   tile, swizzle, raster, &p);
       e.failure()) {
     return e;
   }
@@ -75,15 +78,17 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                       "modelopt_fp8_gemm: no kernel compiled for compute capability " + std::to_string(info.major) +
                           "." + std::to_string(info.minor) + " (built for sm90a/sm100a)");
   }
-  if (config >= 0) chosen = config;
-  int index = 0, swizzle = 1, raster = 0;
-  DecodeConfig(chosen, &index, &swizzle, &raster);
+  const int index = p.tile >= 0 ? p.tile : chosen;
   if (index >= count) {
-    return Invalid("config index " + std::to_string(index) + " out of range (" + std::to_string(count) + " compiled)");
+    return Invalid("tile " + std::to_string(index) + " out of range (" + std::to_string(count) +
+                   " compiled for compute capability " + std::to_string(info.major) + "." +
+                   std::to_string(info.minor) + ")");
   }
   if (p.k % 16 != 0 || p.n % 8 != 0) {
     return Invalid("K (" + std::to_string(p.k) + ") must be a multiple of 16 and N (" + std::to_string(p.n) +
-                   ") of 8 for the CUDA kernels; pad the weight at load time");
+                   ") of 8 for the CUDA kernels, the rule by which backend 'auto' picks them "
+                   "(modelopt_jax.ops.gemm._cutlass_qualifies); checkpoint loading pads N to a multiple of 16 "
+                   "(quant.schemes.N_ALIGN) but never pads K");
   }
 
   LaunchArgs args;
@@ -93,7 +98,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   args.out_bf16 = p.out_type == OutType::kBF16;
   args.alpha = p.alpha;
   args.stream = stream, args.device = device, args.sm_count = info.sm_count;
-  args.swizzle = swizzle, args.raster = raster;
+  args.swizzle = p.swizzle, args.raster = p.raster;
   LaunchStatus status = table[index].run(args);
   if (status != LaunchStatus::kOk) {
     return ffi::Error::Internal(std::string("modelopt_fp8_gemm [") + table[index].name + "] M=" + std::to_string(m) +

@@ -26,14 +26,6 @@ struct LaunchArgs {
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
 };
 
-// A "config" value (FFI attribute or table choice) packs the tile configuration index with the
-// scheduler options: index | log2(swizzle) << 8 | raster << 12. -1 means "choose by M".
-inline void DecodeConfig(int value, int* index, int* swizzle, int* raster) {
-  *index = value & 0xff;
-  *swizzle = 1 << ((value >> 8) & 0x3);
-  *raster = (value >> 12) & 0x3;
-}
-
 enum class LaunchStatus { kOk, kCannotImplement, kWorkspace, kInitialize, kRun };
 
 using LaunchFn = LaunchStatus (*)(const LaunchArgs&);

@@ -16,14 +16,16 @@ import numpy as np
 from modelopt_jax.ops import native
 
 
-def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, out_dtype, config: int = -1,
-                    out_init: jax.Array | None = None) -> jax.Array:
+def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, out_dtype, tile: int = -1,
+                    swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None) -> jax.Array:
     """``x_q`` [M, K] (already 2-D), ``w_q`` [N, K]; ``alpha``/``row``/``col`` as ``scaled_fp8_gemm`` passes them.
 
     ``alpha`` is passed as ``np.float32`` (a static attribute: a jax value here would be traced and
-    could not be compiled into the call). ``config`` forces a compiled CUDA tile configuration
-    (tuning/benchmarks; -1 = by M bucket). ``out_init`` [M, N] is aliased to the output (tests fill it
-    with NaN to catch unwritten elements).
+    could not be compiled into the call). The CUDA kernel choice, for tuning and benchmarks: ``tile``
+    forces a compiled tile configuration (-1 = by M bucket); ``swizzle`` (1, 2, 4 or 8) and ``raster``
+    (0 heuristic, 1 along M, 2 along N) set the persistent tile scheduler; the handlers reject other
+    values. ``out_init`` [M, N] is aliased to the output (tests fill it with NaN to catch unwritten
+    elements).
     """
     native.cpu_library()
     native.cuda_library()
@@ -43,11 +45,12 @@ def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, ou
     call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
                             vmap_method="broadcast_all", input_output_aliases=aliases)
     return call(*operands, alpha=np.float32(alpha), has_row_scale=row is not None, has_col_scale=col is not None,
-                has_bias=bias is not None, has_out_init=out_init is not None, config=np.int32(config))
+                has_bias=bias is not None, has_out_init=out_init is not None, tile=np.int32(tile),
+                swizzle=np.int32(swizzle), raster=np.int32(raster))
 
 
-def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, config: int = -1,
-                 out_init: jax.Array | None = None) -> jax.Array:
+def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, tile: int = -1,
+                 swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None) -> jax.Array:
     """The FFI call from loose scales (tests, benchmarks): folded by :func:`~modelopt_jax.ops.gemm.epilogue_of`."""
     from modelopt_jax.ops.gemm import epilogue_of
 
@@ -57,4 +60,4 @@ def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_
     if col is None and epilogue.col is not None:
         col = epilogue.col.array
     return ffi_scaled_gemm(x_q, w_q, alpha=epilogue.alpha, row=row, col=col, bias=bias, out_dtype=out_dtype,
-                           config=config, out_init=out_init)
+                           tile=tile, swizzle=swizzle, raster=raster, out_init=out_init)
