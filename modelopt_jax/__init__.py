@@ -26,7 +26,7 @@ from modelopt_jax import parallel  # noqa: E402,F401  (make_mesh after a plain `
 from modelopt_jax.ops import fp8_gemm  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
-__version__ = "0.1.0"
+from modelopt_jax._version import __version__  # noqa: E402
 
 __all__ = ["load", "WeightCacheOptions", "LLM", "SamplingParams", "RequestOutput", "make_cached_forward", "init_cache", "KVCache",
            "errors", "fp8_gemm", "demo_checkpoint_path", "__version__"]

@@ -80,8 +80,8 @@ def load(path: str | os.PathLike | Checkpoint, *, dtype="bfloat16", backend: str
             try:
                 return _build(ckpt, cache.plan, cache.per_device, dtype, kv_cache_dtype, mesh, "daemon", cache.stores,
                               where=f"weight cache of {ckpt.directory}")
-            except CheckpointError as e:  # the daemon's index does not fit its own plan
-                raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e}") from e
+            except (CheckpointError, KeyError, TypeError, ValueError) as e:  # index and plan do not fit
+                raise WeightCacheError(f"weight-cache daemon sent an inconsistent layout: {e!r}") from e
         except WeightCacheError as e:
             if options.mode == "require":
                 raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from modelopt_jax.static_array import StaticArray
@@ -46,3 +47,35 @@ class Fp8Epilogue:
         w = np.float32(w_scale)
         alpha = w if per_token else np.float32(np.float32(x_scale) * w)
         return Fp8Epilogue(alpha=float(alpha), per_token=per_token)
+
+
+def _is_traced(value) -> bool:
+    return isinstance(value, (jax.Array, jax.core.Tracer))
+
+
+def epilogue_of(x_scale, w_scale, n: int) -> tuple[Fp8Epilogue, jax.Array | None, jax.Array | None]:
+    """``(epilogue, row, col)`` for loose scales: ``x_scale`` a static float or per-row data,
+    ``w_scale`` a static float / length-N vector or (tensor parallelism) a length-N device vector.
+
+    The folding itself is :meth:`Fp8Epilogue.fold`, the same one the schemes' plans use.
+    """
+    row = x_scale if _is_traced(x_scale) else None
+    if row is None:
+        if isinstance(x_scale, StaticArray):
+            x_scale = x_scale.array
+        if np.ndim(x_scale) != 0:
+            raise ValueError("fp8_gemm: a static x_scale must be a scalar")
+        x_scale = float(np.float32(x_scale))
+    if _is_traced(w_scale):
+        if w_scale.ndim != 1:
+            raise TypeError("fp8_gemm: w_scale must be static (a float or numpy array) or a length-N device "
+                            "vector, not a traced scalar")
+        if w_scale.shape != (n,):
+            raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
+        return Fp8Epilogue.fold(None if row is not None else x_scale, None, col_is_data=True), row, w_scale
+    w = np.asarray(w_scale.array if isinstance(w_scale, StaticArray) else w_scale, np.float32)
+    if w.ndim == 0:
+        w = float(w)
+    elif w.shape != (n,):
+        raise ValueError(f"fp8_gemm: w_scale vector has shape {w.shape}, expected ({n},)")
+    return Fp8Epilogue.fold(None if row is not None else x_scale, w), row, None

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from modelopt_jax.ops import native
+from modelopt_jax.ops.epilogue import epilogue_of
 
 
 def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, out_dtype, tile: int = -1,
@@ -51,9 +52,7 @@ def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, ou
 
 def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, tile: int = -1,
                  swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None) -> jax.Array:
-    """The FFI call from loose scales (tests, benchmarks): folded by :func:`~modelopt_jax.ops.gemm.epilogue_of`."""
-    from modelopt_jax.ops.gemm import epilogue_of
-
+    """The FFI call from loose scales (tests, benchmarks): folded by :func:`~modelopt_jax.ops.epilogue.epilogue_of`."""
     epilogue, row, col = epilogue_of(x_scale, w_scale, w_q.shape[0])
     if row is not None:
         row = row.reshape(x_q.shape[0])

@@ -4,7 +4,7 @@
 
 ``x_q`` is the FP8 activation [..., K], ``w_q`` the FP8 weight exactly as stored in the checkpoint
 [N, K] (K-major, never transposed; see :mod:`.alignment`), the product accumulated in float32.
-The scales arrive as one :class:`~modelopt_jax.quant.plan.Fp8Epilogue`, the Python twin of the
+The scales arrive as one :class:`~modelopt_jax.ops.epilogue.Fp8Epilogue`, the Python twin of the
 FFI op's ``Fp8GemmProblem``: ``alpha`` a compile-time constant, ``col`` a per-output-channel
 vector (a constant, or device data under tensor parallelism), ``row`` the dynamic per-token
 activation scale. Every backend receives the same ``(alpha, row, col)`` and applies them in the
@@ -30,7 +30,7 @@ import numpy as np
 
 from modelopt_jax.errors import BackendUnavailableError
 from modelopt_jax.ops.alignment import WEIGHT_LAYOUT, cutlass_can_run
-from modelopt_jax.ops.epilogue import Fp8Epilogue
+from modelopt_jax.ops.epilogue import Fp8Epilogue, epilogue_of
 from modelopt_jax.static_array import StaticArray
 
 StaticScale = float | np.ndarray | StaticArray
@@ -82,38 +82,6 @@ def _resolve(backend: str) -> GemmImpl:
 def check_backend(backend: str) -> None:
     """Raises BackendUnavailableError early (at load time) for a backend that cannot run."""
     _resolve(backend)
-
-
-def _is_traced(value) -> bool:
-    return isinstance(value, (jax.Array, jax.core.Tracer))
-
-
-def epilogue_of(x_scale, w_scale, n: int) -> tuple[Fp8Epilogue, jax.Array | None, jax.Array | None]:
-    """``(epilogue, row, col)`` for loose scales: ``x_scale`` a static float or per-row data,
-    ``w_scale`` a static float / length-N vector or (tensor parallelism) a length-N device vector.
-
-    The folding itself is :meth:`Fp8Epilogue.fold`, the same one the schemes' plans use.
-    """
-    row = x_scale if _is_traced(x_scale) else None
-    if row is None:
-        if isinstance(x_scale, StaticArray):
-            x_scale = x_scale.array
-        if np.ndim(x_scale) != 0:
-            raise ValueError("fp8_gemm: a static x_scale must be a scalar")
-        x_scale = float(np.float32(x_scale))
-    if _is_traced(w_scale):
-        if w_scale.ndim != 1:
-            raise TypeError("fp8_gemm: w_scale must be static (a float or numpy array) or a length-N device "
-                            "vector, not a traced scalar")
-        if w_scale.shape != (n,):
-            raise ValueError(f"fp8_gemm: w_scale vector has shape {w_scale.shape}, expected ({n},)")
-        return Fp8Epilogue.fold(None if row is not None else x_scale, None, col_is_data=True), row, w_scale
-    w = np.asarray(w_scale.array if isinstance(w_scale, StaticArray) else w_scale, np.float32)
-    if w.ndim == 0:
-        w = float(w)
-    elif w.shape != (n,):
-        raise ValueError(f"fp8_gemm: w_scale vector has shape {w.shape}, expected ({n},)")
-    return Fp8Epilogue.fold(None if row is not None else x_scale, w), row, None
 
 
 def fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale: StaticScale | jax.Array, w_scale: StaticScale | jax.Array,

@@ -26,9 +26,8 @@ def _search_dirs() -> list[str]:
     dirs = []
     if os.environ.get("MODELOPT_JAX_NATIVE_DIR"):
         dirs.append(os.environ["MODELOPT_JAX_NATIVE_DIR"])
-    import modelopt_jax
-
-    for root in list(getattr(modelopt_jax, "__path__", [])) + [
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../modelopt_jax
+    for root in [package] + [
             os.path.join(sysconfig.get_paths()["platlib"], "modelopt_jax")]:
         dirs.append(os.path.join(root, "_native"))
     return dirs

@@ -87,9 +87,12 @@ class ModelPlan:
     @staticmethod
     def from_json(text: str | bytes) -> "ModelPlan":
         try:
-            return _decode(json.loads(text), ModelPlan)
+            plan = _decode(json.loads(text), ModelPlan)
         except (KeyError, TypeError, ValueError) as e:
             raise WeightCacheError(f"not a valid model plan: {e!r}") from e
+        if not isinstance(plan, ModelPlan):
+            raise WeightCacheError(f"not a valid model plan: a JSON {type(plan).__name__}, not a ModelPlan object")
+        return plan
 
 
 _CLASSES = {c.__name__: c for c in (Fp8Epilogue, LinearPlan, TensorPlan, ModelPlan)}

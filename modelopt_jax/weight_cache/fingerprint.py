@@ -35,7 +35,7 @@ def _file_hash(path: str) -> str:
 def compute(ckpt: Checkpoint, *, dtype, backend: str, device: str = "host", rank: int = 0,
             tensor_parallel: int = 1) -> dict[str, str]:
     """The fields; ``rank``/``tensor_parallel``: which shard of a TP split the cache holds."""
-    from modelopt_jax import __version__
+    from modelopt_jax._version import __version__
 
     fields: dict[str, str] = {}
     by_file: dict[str, list] = {}
