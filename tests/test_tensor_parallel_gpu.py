@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 import modelopt_jax
 from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams
@@ -61,6 +63,7 @@ def test_tp2_logits_and_compiled_program_on_gpus():
     assert np.abs(a - b).mean() <= 1.5 * np.abs(a - ref).mean() + 1e-3  # about one more bf16 rounding
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.95
     pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    hlo = tp2._call.lower(tp2.state, ids, pos, jnp.ones(ids.shape, jnp.int32)).compile().as_text()
+    graph, state = nnx.split(tp2)
+    hlo = jax.jit(lambda st, i, p: nnx.merge(graph, st)(i, p)).lower(state, ids, pos).compile().as_text()
     assert len(re.findall(r'custom_call_target="modelopt_fp8_gemm"', hlo)) >= 4 * len(tp2.layers)
     assert "all-reduce" in hlo
