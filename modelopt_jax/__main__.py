@@ -71,6 +71,8 @@ def _weight_cache(args) -> int:
 
 
 def main(argv=None) -> int:
+    from modelopt_jax.dtypes import COMPUTE_DTYPES, KV_CACHE_DTYPES
+
     parser = argparse.ArgumentParser(prog="python -m modelopt_jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="describe a checkpoint (format, schemes, scales, bytes, warnings)")
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--dtype", default="bfloat16", choices=list(COMPUTE_DTYPES))
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--quantization", default="auto", choices=["auto", "modelopt"],
                    help="'modelopt' insists on a ModelOpt checkpoint; 'auto' loads either")
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
     wsub = w.add_subparsers(dest="wc_command", required=True)
     ws = wsub.add_parser("serve", help="load and process a checkpoint once and serve it to other processes")
     ws.add_argument("--model", required=True)
-    ws.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ws.add_argument("--dtype", default="bfloat16", choices=list(COMPUTE_DTYPES))
     ws.add_argument("--backend", default="auto")
     ws.add_argument("--tensor-parallel", type=int, default=1,
                     help="serve shard DEVICE of a split over this many GPUs (one daemon per GPU; clients use "
