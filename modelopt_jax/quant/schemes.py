@@ -155,13 +155,19 @@ class LinearScheme:
 
     name = "?"
     description = "?"
+    weight_dtypes: tuple[str, ...] = FLOAT_DTYPES  # what the checkpoint's weight may be stored as
+    weight_role = "weight"                         # how error messages call it
 
     def plan(self, ckpt: Checkpoint, spec: LinearSpec, tp: int = 1) -> LinearPlan:
         raise NotImplementedError
 
     def process(self, ckpt: Checkpoint, plan: LinearPlan, ranks: Sequence[int], tp: int = 1) -> list[dict]:
-        """One ``{state leaf name: host array}`` per rank in ``ranks``."""
-        raise NotImplementedError
+        """One ``{state leaf name: host array}`` per rank in ``ranks``: the fused, padded, sliced
+        weight and bias (each checkpoint tensor read once, whatever the number of ranks)."""
+        pad = plan.padded_out - plan.out_features
+        weights = self._weights(ckpt, plan, ranks, tp, self.weight_dtypes, self.weight_role, pad)
+        biases = self._bias(ckpt, plan, ranks, tp, pad)
+        return [_leaves(weight=w, bias=b) for w, b in zip(weights, biases)]
 
     def module(self, plan: LinearPlan, *, dtype, backend: str, reduce_axis: str | None) -> nnx.Module:
         raise NotImplementedError
@@ -219,11 +225,6 @@ class Unquantized(LinearScheme):
                           _storage_dtype(ckpt, [f"{p}.weight" for p in spec.prefixes]),
                           self._bias_dtype(ckpt, spec), spec.role, spec.out_dtype)
 
-    def process(self, ckpt, plan, ranks, tp=1):
-        weights = self._weights(ckpt, plan, ranks, tp, FLOAT_DTYPES, "weight", 0)
-        biases = self._bias(ckpt, plan, ranks, tp, 0)
-        return [_leaves(weight=w, bias=b) for w, b in zip(weights, biases)]
-
     def module(self, plan, *, dtype, backend, reduce_axis):
         return Linear(plan, dtype=dtype, reduce_axis=reduce_axis)
 
@@ -233,6 +234,8 @@ class Fp8PerTensor(LinearScheme):
 
     name = "fp8"
     description = "fp8 per-tensor (static activations)"
+    weight_dtypes = FP8_WEIGHT_DTYPES
+    weight_role = "FP8 weight"
 
     def plan(self, ckpt, spec, tp=1):
         w_scales, x_scales = [], []
@@ -254,12 +257,6 @@ class Fp8PerTensor(LinearScheme):
         return LinearPlan(self.name, spec.prefixes, k, sizes, padded, "float8_e4m3fn", self._bias_dtype(ckpt, spec),
                           spec.role, spec.out_dtype, input_scale=x_scales[0],
                           epilogue=Fp8Epilogue.fold(x_scales[0], w_scale))
-
-    def process(self, ckpt, plan, ranks, tp=1):
-        pad = plan.padded_out - plan.out_features
-        weights = self._weights(ckpt, plan, ranks, tp, FP8_WEIGHT_DTYPES, "FP8 weight", pad)
-        biases = self._bias(ckpt, plan, ranks, tp, pad)
-        return [_leaves(weight=w, bias=b) for w, b in zip(weights, biases)]
 
     def module(self, plan, *, dtype, backend, reduce_axis):
         return Fp8Linear(plan, dtype=dtype, backend=backend, reduce_axis=reduce_axis)
@@ -312,6 +309,8 @@ class Fp8BlockWeightOnly(LinearScheme):
 
     name = "fp8_pb_wo"
     description = "fp8 128x128 block weights, unquantized activations"
+    weight_dtypes = FP8_WEIGHT_DTYPES
+    weight_role = "FP8 weight"
 
     def plan(self, ckpt, spec, tp=1):
         if tp > 1 and spec.role != REPLICATED:
@@ -330,11 +329,6 @@ class Fp8BlockWeightOnly(LinearScheme):
         return LinearPlan(self.name, spec.prefixes, spec.in_features, sizes, sum(sizes), "float8_e4m3fn",
                           self._bias_dtype(ckpt, spec), spec.role, spec.out_dtype,
                           block_scales=StaticArray(np.concatenate(grids, axis=0)))
-
-    def process(self, ckpt, plan, ranks, tp=1):
-        weights = self._weights(ckpt, plan, ranks, tp, FP8_WEIGHT_DTYPES, "FP8 weight", 0)
-        biases = self._bias(ckpt, plan, ranks, tp, 0)
-        return [_leaves(weight=w, bias=b) for w, b in zip(weights, biases)]
 
     def module(self, plan, *, dtype, backend, reduce_axis):
         return BlockFp8Linear(plan, dtype=dtype, reduce_axis=reduce_axis)
