@@ -7,19 +7,21 @@ offsets, order, padding) and identical config.json / hf_quant_config.json / gene
 
 Numerics: each synthetic variant loads with ``modelopt_jax.load(dir, dtype="float32")`` and its
 logits match the independent float64 oracle (tests/numpy_reference.py) to 1e-3 on random input ids
-(2 x 4 tokens). The ids are drawn from a seeded generator and a draw is *rejected* when any value
-the oracle feeds to an FP8 quantizer lies within 1e-5 (relative) of an FP8 rounding midpoint; about
-20-30% of draws pass. Why: the oracle rounds float64 values, the package float32 ones, and a value
-that close to a midpoint may round to neighbouring FP8 codes in the two -- a legitimate difference,
-not a bug -- which moves logits by up to ~0.3-0.8. Measured without the selection (60 draws of
-2 x 12 ids per case): per-tensor FP8 exceeded 1e-3 in 0-3 draws per case, e.g. an attention output
-feeding o_proj at 4.2500054 (oracle) vs 4.2499957 (float32) times 1/scale, 1.3e-6 from the 4.25
-midpoint, so float32 attention differs by ~2e-6 relative and 1e-5 is the safe margin (the fixture
-tests say the same of real exports). Per-channel/per-token scales exceeded 1e-3 in up to a third of
-the draws, on *exact* ties: in layer 0 a normed bf16 embedding row divided by its own amax/448
-lands exactly on a midpoint (e.g. x/s = 336 = 3/4 * 448, between codes 320 and 352); float64 gives
-336.00000000000006 -> 336.0 -> 320 (ties to even), float32 math as in ModelOpt/torch and this
-package may give 336.00003 -> 352. On every accepted draw the error is ~1e-6.
+(2 x 4 tokens) at every position -- up to FP8 rounding near-ties: the oracle rounds float64 values,
+the package float32 ones, and a value within float32 error of an FP8 rounding midpoint may round to
+neighbouring FP8 codes in the two -- a legitimate difference, not a bug -- which moves logits by up
+to ~0.3-0.8. Which values that hits depends on XLA's summation order, i.e. on the CPU. So a row that
+differs must be reproduced by the oracle with at most three such near-ties rounded the other way
+(numpy_reference.explain_by_near_tie_flips). Measured on one CPU (60 draws of 2 x 12 ids per case):
+per-tensor FP8 exceeded 1e-3 in 0-3 draws per case, e.g. an attention output feeding o_proj at
+4.2500054 (oracle) vs 4.2499957 (float32) times 1/scale, 1.3e-6 from the 4.25 midpoint.
+Per-channel/per-token scales exceeded 1e-3 in up to a third of the draws, on *exact* ties: in layer
+0 a normed bf16 embedding row divided by its own amax/448 lands exactly on a midpoint (e.g. x/s =
+336 = 3/4 * 448, between codes 320 and 352); float64 gives 336.00000000000006 -> 336.0 -> 320 (ties
+to even), float32 math as in ModelOpt/torch and this package may give 336.00003 -> 352. (An earlier
+version instead rejected draws with any input within 1e-5 *relative* of a midpoint; but the float32
+error of a small, cancelled sum is large relative to the value, and the accepted draws still held
+35-57 inputs per case within float32 reach of a midpoint, some moving logits by 0.3 if flipped.)
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ import modelopt_jax
 from fixture_paths import fixture_dir
 from modelopt_jax import synthetic
 from modelopt_jax.checkpoint import Checkpoint, SafetensorsIndex
-from numpy_reference import Reference, boundary_margin
+from numpy_reference import Reference, explain_by_near_tie_flips
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
-MARGIN = 1e-5  # relative distance to an FP8 rounding midpoint below which a draw of ids is rejected
 TOL = 1e-3
 
 
@@ -207,15 +208,18 @@ def test_config_options(tmp_path):
 # ------------------------------------------------------------------------------------------ numerics
 
 
-def _pick_ids(ref: Reference, rng: np.random.Generator, shape=(2, 4), tries=60):
-    """Random ids whose FP8 quantizer inputs (per the oracle) all sit >= MARGIN from a midpoint."""
-    for _ in range(tries):
-        ids = rng.integers(0, ref.cfg["vocab_size"], shape)
-        ref.trace.clear()
-        expected = ref.forward(ids)
-        if min((boundary_margin(v).min() for _, v in ref.trace), default=np.inf) >= MARGIN:
-            return ids, expected
-    pytest.fail(f"no ids clear of FP8 rounding midpoints in {tries} draws")
+def _ids_and_oracle(ref: Reference, rng: np.random.Generator, shape=(2, 4)):
+    ids = rng.integers(0, ref.cfg["vocab_size"], shape)
+    return ids, ref.forward(ids)
+
+
+def _assert_matches_oracle(ref: Reference, ids, out, what: str):
+    """``out`` equals the oracle to TOL at every position, up to <= 3 FP8 near-tie flips per row."""
+    for r in range(ids.shape[0]):
+        flips = explain_by_near_tie_flips(ref, ids[r], out[r], tol=TOL)  # raises if unexplained
+        if flips:
+            print(f"{what} row {r}: matches the oracle with near-tie(s) rounded the other way: "
+                  f"{[sorted(f) for f in flips]}")
 
 
 CASES = {
@@ -233,12 +237,13 @@ CASES = {
 def test_logits_match_float64_oracle(case, tmp_path):
     synthetic.write_checkpoint(tmp_path, **TINY, **CASES[case], seed=11)
     model = modelopt_jax.load(tmp_path, dtype="float32")
-    ids, expected = _pick_ids(Reference(str(tmp_path)), np.random.default_rng(list(CASES).index(case)))
+    ref = Reference(str(tmp_path))
+    ids, expected = _ids_and_oracle(ref, np.random.default_rng(list(CASES).index(case)))
     out = np.asarray(model(ids))
     assert out.shape == ids.shape + (TINY["vocab_size"],) and np.isfinite(out).all()
     assert np.abs(expected).max() > 0.5  # logits are not degenerate
-    err = float(np.abs(out - expected).max())
-    assert err <= TOL, f"{case}: max |jax - oracle| = {err:.3g} on ids {ids.tolist()}"
+    print(f"{case}: max |jax - oracle| = {np.abs(out - expected).max():.3g} on ids {ids.tolist()}")
+    _assert_matches_oracle(ref, ids, out, case)
 
 
 def test_sharded_equals_single_file(tmp_path):
@@ -247,8 +252,9 @@ def test_sharded_equals_single_file(tmp_path):
     sharded = synthetic.write_checkpoint(tmp_path / "sharded", **kw, max_shard_bytes=25_000)
     assert single.files == ("model.safetensors",) and len(sharded.files) >= 4
     assert single.tensor_bytes == sharded.tensor_bytes
-    ids, expected = _pick_ids(Reference(str(tmp_path / "sharded")), np.random.default_rng(99))
+    ref = Reference(str(tmp_path / "sharded"))
+    ids, _ = _ids_and_oracle(ref, np.random.default_rng(99))
     a = np.asarray(modelopt_jax.load(tmp_path / "single", dtype="float32")(ids))
     b = np.asarray(modelopt_jax.load(tmp_path / "sharded", dtype="float32")(ids))
-    assert np.array_equal(a, b)
-    assert float(np.abs(b - expected).max()) <= TOL
+    assert np.array_equal(a, b)  # same program, same weights: bit for bit on any CPU
+    _assert_matches_oracle(ref, ids, b, "sharded")

@@ -7,6 +7,13 @@ where `pip install` put them. Before pytest starts, two settings point into this
   tests run against //ffi's library, not a pip-built copy (modelopt_jax.ops.native looks there first);
 - MODELOPT_JAX_FIXTURES: the fixtures of @modelopt_jax_fixtures when the test has them as data.
 
+and one into the test's private scratch folder ($TEST_TMPDIR, writable, discarded afterwards):
+
+- MODELOPT_JAX_COMPILATION_CACHE: the persistent XLA compilation cache that ``LLM(...)`` turns on
+  (modelopt_jax.llm.enable_compilation_cache), by default under ~/.cache, which the Bazel sandbox
+  mounts read-only: every test that built an LLM warned that it could not write cache entries.
+  A value passed with ``--test_env=MODELOPT_JAX_COMPILATION_CACHE=...`` is kept.
+
 The exit status is pytest's (0 only when every test passed or was skipped), and pytest's JUnit XML
 goes where Bazel asks for it.
 """
@@ -42,6 +49,10 @@ def main(argv: list[str]) -> int:
                                            os.path.join(os.getcwd(), "no-fixtures-in-data-of-this-test"))
     for name in ("MODELOPT_JAX_NATIVE_DIR", "MODELOPT_JAX_FIXTURES"):  # shown relative to the runfiles
         print(f"pytest_main: {name}={os.path.relpath(os.environ[name], os.environ.get('TEST_SRCDIR', '/'))}")
+    scratch = os.environ.get("TEST_TMPDIR")
+    if scratch and not os.environ.get("MODELOPT_JAX_COMPILATION_CACHE"):
+        os.environ["MODELOPT_JAX_COMPILATION_CACHE"] = os.path.join(scratch, "modelopt_jax_xla_cache")
+    print(f"pytest_main: MODELOPT_JAX_COMPILATION_CACHE={os.environ.get('MODELOPT_JAX_COMPILATION_CACHE', '(default)')}")
     sys.stdout.flush()
 
     args = list(argv) + ["-p", "no:cacheprovider"]  # the runfiles tree is no place for .pytest_cache
