@@ -36,11 +36,10 @@ def _generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     (out,) = llm.generate([prompt], params)
     stats = llm.last_stats
-    progress(f"[prefill] {stats['prompt_tokens']} prompt tokens in {stats['prefill_s']:.2f} s (first call: "
-             f"includes compilation)")
-    progress(f"[decode] {len(out.token_ids)} tokens in {stats['decode_s']:.2f} s (first step incl. compilation "
-             f"{stats['first_decode_step_s']:.2f} s), then {stats['steady_tokens_per_s']:.1f} tokens/s "
-             f"(finish: {out.finish_reason})")
+    progress(f"[generate] {stats['prompt_tokens']} prompt tokens, {len(out.token_ids)} new tokens in "
+             f"{stats['total_s']:.2f} s (first call includes compilation; first token after "
+             f"{stats['first_token_s']:.2f} s; {stats['decode_steps']} decode steps in {stats['decode_s']:.2f} s, "
+             f"finish: {out.finish_reason})")
     print((args.prompt if not args.ids else "") + (out.text if out.text is not None else str(out.token_ids)))
     return 0
 

@@ -110,6 +110,19 @@ class KVBuffer:
             return dequantize_static(self.data, self.scale, dtype)
         return self.data.astype(dtype)
 
+    # paged storage: ``data`` is [slots, kv_heads, head_dim], slot = page * page_size + offset
+    def write_slots(self, slots: jax.Array, x: jax.Array) -> "KVBuffer":
+        """``x`` [N, kv_heads, head_dim] stored at ``slots`` [N] (quantized if FP8)."""
+        stored = quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
+        return KVBuffer(self.data.at[slots].set(stored), self.scale)
+
+    def read_slots(self, slots: jax.Array, dtype) -> jax.Array:
+        """The values at ``slots`` (any shape S) -> S + [kv_heads, head_dim] in ``dtype``."""
+        gathered = self.data[slots]
+        if self.scale is not None:
+            return dequantize_static(gathered, self.scale, dtype)
+        return gathered.astype(dtype)
+
     # array-like views, for inspection
     @property
     def dtype(self):
@@ -164,6 +177,36 @@ class KVCache:
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["keys", "values"], meta_fields=[])
+
+
+@dataclasses.dataclass
+class PagedKVCache:
+    """Per-layer pools of fixed-size pages shared by all sequences (the generation engine's cache).
+
+    Each layer's keys and values are one :class:`KVBuffer` of [num_pages * page_size, kv_heads,
+    head_dim]: token position p of a sequence lives at slot ``block_table[p // page_size] *
+    page_size + p % page_size``. Page 0 is the scratch page: padding tokens write there and no
+    sequence ever owns it. Which pages a sequence owns is the engine's bookkeeping, not the cache's.
+    """
+
+    keys: list[KVBuffer]
+    values: list[KVBuffer]
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0] // self.page_size
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.keys[0].scale is not None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["keys", "values"], meta_fields=["page_size"])
 
 
 def init_cache(model, batch: int, max_len: int) -> KVCache:

@@ -118,8 +118,15 @@ def stitch(per_device: Sequence[jax.Array], spec: P, mesh: Mesh) -> jax.Array:
 CACHE_SPEC = P(None, None, AXIS, None)  # KV cache [batch, len, kv_heads, head_dim]: split by KV head
 
 
+PAGED_CACHE_SPEC = P(None, AXIS, None)  # page pool [slots, kv_heads, head_dim]: split by KV head
+
+
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, CACHE_SPEC)
+
+
+def paged_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PAGED_CACHE_SPEC)
 
 
 def run_sharded(module: nnx.Module, method: Callable, mesh: Mesh, args: tuple, arg_specs: tuple, out_specs):

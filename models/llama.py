@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from modelopt_jax import parallel
 from modelopt_jax.checkpoint import ModelConfig
-from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec
+from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
 from modelopt_jax.layers import Embedding, RMSNorm
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
@@ -100,6 +100,23 @@ class Attention(nnx.Module):
         return self.o_proj(out), keys, values
 
 
+    def paged(self, x, positions, keys, values, slots, context_slots):
+        """Paged cache: writes this step's k/v at ``slots`` [B,T] and attends over ``context_slots`` [B,S].
+
+        ``context_slots[b, s]`` is the slot of sequence b's position s, so key s is visible to a
+        query at position p exactly when s <= p (the same mask as the dense cache). Only the pages
+        in the block tables are read.
+        """
+        q, k, v = self.project_qkv(x, positions)
+        b, t = slots.shape
+        keys = keys.write_slots(slots.reshape(b * t), k.reshape(b * t, *k.shape[2:]))
+        values = values.write_slots(slots.reshape(b * t), v.reshape(b * t, *v.shape[2:]))
+        mask = (jnp.arange(context_slots.shape[1])[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        out = causal_attention(q, keys.read_slots(context_slots, self.dtype), values.read_slots(context_slots, self.dtype),
+                               mask)
+        return self.o_proj(out), keys, values
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate/up fused into one layer."""
 
@@ -128,6 +145,12 @@ class DecoderLayer(nnx.Module):
 
     def cached(self, x, positions, keys, values):
         attn, keys, values = self.self_attn.cached(self.input_layernorm(x), positions, keys, values)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+    def paged(self, x, positions, keys, values, slots, context_slots):
+        attn, keys, values = self.self_attn.paged(self.input_layernorm(x), positions, keys, values, slots,
+                                                  context_slots)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
@@ -230,6 +253,46 @@ class CausalLM(nnx.Module):
         if logit_positions is not None:
             x = jnp.take_along_axis(x, logit_positions[:, None, None], axis=1)
         return self.logits(self.norm(x)), KVCache(keys, values)
+
+
+    def init_paged_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
+        """A zeroed page pool: ``num_pages`` pages (page 0 is scratch) of ``page_size`` tokens per layer."""
+        shards = self.tensor_parallel_size
+        sharding = None if self.mesh is None else parallel.paged_cache_sharding(self.mesh)
+        pairs = [layer.self_attn.kv.buffers((num_pages * page_size, layer.self_attn.num_kv_heads * shards,
+                                             layer.self_attn.head_dim), sharding) for layer in self.layers]
+        return PagedKVCache([k for k, _ in pairs], [v for _, v in pairs], page_size)
+
+    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
+                      block_tables: jax.Array, logit_positions: jax.Array | None = None):
+        """Forward over a page pool: ``(ids [B,T], positions [B,T], cache, slots [B,T], block_tables
+        [B,P]) -> (logits, cache)``.
+
+        Token t of row b is at ``positions[b, t]`` and its key/value go to ``slots[b, t]``; row b's
+        context is the pages ``block_tables[b]`` (unused entries 0, the scratch page, masked out by
+        position). ``logit_positions`` [B] computes logits for one token per row. Pure and
+        jit-compatible; donate ``cache``.
+        """
+        args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(block_tables))
+        if logit_positions is not None:
+            args += (jnp.asarray(logit_positions),)
+        if self.mesh is None:
+            return self._forward_paged(*args)
+        cache_specs = jax.tree.map(lambda _: parallel.PAGED_CACHE_SPEC, cache)
+        specs = (P(), P(), cache_specs, P(), P()) + ((P(),) if logit_positions is not None else ())
+        return parallel.run_sharded(self, CausalLM._forward_paged, self.mesh, args, specs, (P(), cache_specs))
+
+    def _forward_paged(self, input_ids, positions, cache: PagedKVCache, slots, block_tables, logit_positions=None):
+        page = cache.page_size
+        context_slots = (block_tables[:, :, None] * page + jnp.arange(page, dtype=block_tables.dtype)).reshape(
+            block_tables.shape[0], -1)
+        x = self.embed_tokens(input_ids)
+        keys, values = list(cache.keys), list(cache.values)
+        for i, layer in enumerate(self.layers):
+            x, keys[i], values[i] = layer.paged(x, positions, keys[i], values[i], slots, context_slots)
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[:, None, None], axis=1)
+        return self.logits(self.norm(x)), PagedKVCache(keys, values, page)
 
 
 def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec], list[str]]:

@@ -524,8 +524,8 @@ def test_bad_sampling_params_raise(kwargs):
 def test_unknown_kwargs_raise_type_error(bf16):
     with pytest.raises(TypeError, match="gpu_memory_utilization"):
         LLM(fixture_dir("qwen2-bytes-bf16"), gpu_memory_utilization=0.9, compilation_cache_dir=None)
-    with pytest.raises(TypeError, match="use_tqdm"):
-        bf16.generate("The ", use_tqdm=False)
+    with pytest.raises(TypeError, match="lora_request"):
+        bf16.generate([1, 2, 3], lora_request=object())
 
 
 def test_quantization_argument(bf16):

@@ -1,0 +1,165 @@
+"""``Engine``: requests in, outputs out, through a page pool sized from a memory budget.
+
+The loop: the scheduler picks the next step's rows, the runner runs it on the device and copies
+back the sampled tokens (one transfer), the host records them, frees the pages of finished
+requests and goes again until every request is done. Outputs come back in request order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from modelopt_jax.engine.pages import PagePool
+from modelopt_jax.engine.request import Request, RequestOutput
+from modelopt_jax.engine.runner import Runner
+from modelopt_jax.engine.scheduler import Scheduler
+from modelopt_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine uses memory and batches work (vLLM's names where they exist)."""
+
+    page_size: int = 16                       # tokens per KV page
+    max_num_seqs: int = 256                   # running requests at most (rows of a decode step)
+    max_prefill_tokens: int = 2048            # prompt tokens per step at most (chunked prefill)
+    kv_cache_memory_fraction: float = 0.9     # GPU: share of device memory the weights + pool may use
+    kv_cache_bytes: int | None = None         # or an explicit pool size in bytes (any platform)
+
+    def __post_init__(self):
+        if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
+            raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
+        for name in ("page_size", "max_num_seqs", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):
+            raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes!r} must be a positive integer or None")
+
+
+def page_bytes(model, page_size: int) -> int:
+    """Bytes one page takes over all layers (keys and values, every KV head of every device)."""
+    total = 0
+    for layer in model.layers:
+        attn = layer.self_attn
+        total += 2 * page_size * attn.num_kv_heads * model.tensor_parallel_size * attn.head_dim * \
+            np.dtype(attn.kv.dtype).itemsize
+    return total
+
+
+def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
+    """The pool's byte budget: explicit, or what the device has left under the memory fraction.
+
+    GPU: ``fraction * bytes_limit - bytes_in_use`` (the weights and compiled programs are already
+    there) minus a reserve for a step's activations (5% of the device, at least 1 GiB). Elsewhere
+    (no allocator statistics): room for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
+    capped at ``fraction`` of a quarter of the host's memory.
+    """
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    device = (model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0])
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        reserve = max(1 << 30, limit // 20)
+        per_device = int(config.kv_cache_memory_fraction * limit) - used - reserve
+        return max(0, per_device) * model.tensor_parallel_size
+    want = page_bytes(model, config.page_size) * (-(-max_model_len // config.page_size)) * config.max_num_seqs
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(want, int(config.kv_cache_memory_fraction * host / 4))
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one model."""
+
+    def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0):
+        self.model, self.config, self.max_model_len = model, config, int(max_model_len)
+        budget = pool_bytes(model, config, self.max_model_len)
+        num_pages = budget // page_bytes(model, config.page_size)
+        need = -(-self.max_model_len // config.page_size) + 1  # one full-length sequence, plus scratch
+        if num_pages < need:
+            raise ConfigError(
+                f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {max(num_pages - 1, 0)} pages of "
+                f"{config.page_size} tokens, fewer than one sequence of max_model_len={self.max_model_len} "
+                f"needs ({need - 1} pages, {(need - 1) * page_bytes(model, config.page_size) / 2**20:.1f} MiB); "
+                f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
+        self.pool = PagePool(num_pages, config.page_size)
+        self.runner = Runner(model, num_pages, config.page_size, pad_id)
+        self.last_stats: dict[str, float] = {}
+
+    def run(self, requests: list[Request], *, tokenizer=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        scheduler = Scheduler(self.pool, max_num_seqs=self.config.max_num_seqs,
+                              max_prefill_tokens=self.config.max_prefill_tokens)
+        for r in requests:
+            scheduler.add(r)
+        progress = _progress(len(requests), use_tqdm)
+        steps = prefill_steps = 0
+        t0 = time.perf_counter()
+        first_token_s = None
+        prefill_s = decode_s = 0.0
+        try:
+            while not scheduler.done:
+                batch = scheduler.schedule()
+                ts = time.perf_counter()
+                result = self.runner.step(batch)
+                elapsed = time.perf_counter() - ts
+                is_prefill = any(n > 1 for _, n in batch)
+                prefill_steps += is_prefill
+                if is_prefill:
+                    prefill_s += elapsed
+                else:
+                    decode_s += elapsed
+                steps += 1
+                for row, (r, n) in enumerate(batch):
+                    if result.prompt is not None and r.params.prompt_logprobs is not None:
+                        chosen, top_v, top_i = (a[row] for a in result.prompt)
+                        for t in range(n):
+                            p = r.computed + t + 1
+                            if p < len(r.prompt_ids):
+                                r.prompt_logprobs[p] = _entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
+                                                              r.params.prompt_logprobs)
+                    r.computed += n
+                    if r.pending == 0:  # the whole sequence is in the cache: this row sampled a token
+                        r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row],
+                                 result.top_ids[row])
+                        first_token_s = first_token_s or time.perf_counter() - t0
+                        if r.finish_reason is not None:
+                            scheduler.finish(r)
+                            progress(1)
+        finally:
+            progress(None)
+        total = time.perf_counter() - t0
+        generated = sum(len(r.generated) for r in requests)
+        self.last_stats = {"steps": steps, "prefill_steps": prefill_steps, "decode_steps": steps - prefill_steps,
+                           "prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
+                           "first_token_s": first_token_s or total, "generated_tokens": generated,
+                           "generated_tokens_per_s": generated / total if total else float("nan"),
+                           "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "batch": len(requests),
+                           "preemptions": scheduler.preemptions, "num_pages": self.pool.num_pages,
+                           "free_pages_after": self.pool.free}
+        return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
+
+
+def _entry(token, chosen, top_v, top_i, k):
+    from modelopt_jax.engine.request import logprob_entry
+
+    return logprob_entry(int(token), chosen, top_v, top_i, k)
+
+
+def _progress(total: int, enabled: bool):
+    """``update(n)`` for a tqdm bar over finished requests (``update(None)`` closes it); a no-op when
+    disabled or when tqdm is not installed."""
+    if not enabled:
+        return lambda n: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda n: None
+    bar = tqdm(total=total, desc="generate", unit="req", file=sys.stderr, dynamic_ncols=True)
+    return lambda n: bar.close() if n is None else bar.update(n)

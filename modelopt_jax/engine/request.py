@@ -1,0 +1,90 @@
+"""One request's state inside the engine, and what it returns to the caller."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from modelopt_jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one prompt produced. ``logprobs[i]`` maps token id -> log-prob for generated token i
+    (the chosen token and the top-k); ``prompt_logprobs[0]`` is None (nothing predicts token 0)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    cumulative_logprob: float
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def logprob_entry(token: int, chosen, top_values, top_ids, k: int | None) -> dict[int, float]:
+    """{token: its log-prob} plus the top-``k`` alternatives (the token itself is not repeated)."""
+    entry = {token: float(chosen)}
+    for j in range(k or 0):
+        entry.setdefault(int(top_ids[j]), float(top_values[j]))
+    return entry
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt moving through the engine.
+
+    ``tokens`` (prompt + generated) is what the model has seen or will see; ``computed`` of them
+    have their keys/values in the pool, in ``pages``. After a preemption ``computed`` drops to 0
+    and the pages go back to the pool; the tokens stay, so the request resumes by recomputing them.
+    """
+
+    index: int                      # position in the caller's list: outputs come back in this order
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    budget: int                     # how many tokens it may generate (max_tokens, capped by max_model_len)
+    row_key: np.ndarray             # uint32[2] PRNG key of this request; token i uses fold_in(row_key, i)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet fed to the model."""
+        return self.length - self.computed
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.generated[position - n]
+
+    def accept(self, token: int, chosen, top_v, top_i) -> None:
+        """Records a sampled token and decides whether the request is done."""
+        self.generated.append(token)
+        self.logprobs.append(logprob_entry(token, chosen, top_v, top_i, self.params.logprobs))
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.budget:
+            self.finish_reason = "length"
+
+    def output(self, tokenizer) -> RequestOutput:
+        prompt_lp = None
+        if self.params.prompt_logprobs is not None:
+            prompt_lp = [None] + [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_ids))]
+        text = None if tokenizer is None else tokenizer.decode(self.generated, skip_special_tokens=True)
+        return RequestOutput(
+            prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=list(self.generated), text=text,
+            finish_reason=self.finish_reason,
+            cumulative_logprob=float(sum(e[t] for e, t in zip(self.logprobs, self.generated))),
+            logprobs=self.logprobs if self.params.logprobs is not None else None, prompt_logprobs=prompt_lp)

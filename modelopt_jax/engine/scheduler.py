@@ -1,0 +1,94 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens each.
+
+Policy (vLLM's, simplified): a step either prefills or decodes.
+- Prefill first: requests part-way through their prompt continue, then waiting requests are
+  admitted in arrival order while the step's token budget (``max_prefill_tokens``) lasts, the
+  running set stays under ``max_num_seqs`` and pages are free (keeping one page of headroom per
+  running sequence, so admissions do not immediately force preemptions). A long prompt is split
+  into chunks across steps, so one step's work stays bounded.
+- Otherwise every running request decodes one token. A request that needs a new page when none
+  is free preempts the most recently admitted request: its pages are freed at once and it goes back
+  to the front of the queue, to be recomputed (prompt + what it had generated) when pages free up.
+- A finished request's pages are freed the moment it finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from modelopt_jax.engine.pages import PagePool
+from modelopt_jax.engine.request import Request
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_prefill_tokens: int):
+        self.pool = pool
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.release(request.pages)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.pool.release(victim.pages)
+        victim.computed = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The next step's rows: (request, tokens to feed). Never empty while requests remain."""
+        while True:
+            batch = self._prefill() or self._decode()
+            if batch:
+                return batch
+            # Every running request is part-way through a prompt and none can get a page: free the
+            # newest one's pages (one request alone always fits: the engine checks that up front).
+            self._preempt(self.running[-1])
+
+    def _prefill(self) -> list[tuple[Request, int]]:
+        batch, budget = [], self.max_prefill_tokens
+        for r in [r for r in self.running if r.pending > 1]:
+            n = min(r.pending, budget, (len(r.pages) + self.pool.free) * self.pool.page_size - r.computed)
+            if n <= 0:
+                continue
+            self.pool.grow(r.pages, r.computed + n)
+            batch.append((r, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            n = min(r.pending, budget)
+            if self.pool.pages_for(n) + len(self.running) > self.pool.free:
+                break
+            self.waiting.popleft()
+            self.pool.grow(r.pages, n)
+            self.running.append(r)
+            batch.append((r, n))
+            budget -= n
+        return batch
+
+    def _decode(self) -> list[tuple[Request, int]]:
+        batch = []
+        for r in list(self.running):
+            if r not in self.running or r.pending != 1:
+                continue
+            while not self.pool.grow(r.pages, r.computed + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r in self.running:
+                batch.append((r, 1))
+        return batch
