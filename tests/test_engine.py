@@ -1,0 +1,208 @@
+"""The generation engine: paged attention, continuous batching, preemption, memory budget, bad input.
+
+Correctness is stated against things that do not share the engine's code: the dense-cache forward
+(``forward_cached``), each prompt generated alone, and runs with an unconstrained pool. float32
+throughout. On the unquantized checkpoint "the same" means the same tokens, with logprobs equal to
+float32 summation order. With FP8 activations a different batch (another summation order) can flip
+an activation's FP8 code at a rounding near-tie, moving logits by ~0.02-0.1: there, tokens are
+compared up to the first step whose top-1/top-2 margin is under 0.3, and most steps must be compared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+import modelopt_jax
+from fixture_paths import fixture_dir
+from modelopt_jax import LLM, SamplingParams
+from modelopt_jax.engine.pages import PagePool
+from modelopt_jax.errors import ConfigError
+
+
+def _llm(name="qwen2-bytes-bf16", **kw):
+    path = fixture_dir(name) if name != "demo" else modelopt_jax.demo_checkpoint_path()
+    return LLM(str(path), quantization=None, dtype="float32", max_model_len=kw.pop("max_model_len", 256),
+               compilation_cache_dir=None, **kw)
+
+
+def _prompts(n, rng, low=1, high=40, vocab=256):
+    return [rng.integers(1, vocab, rng.integers(low, high + 1)).tolist() for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Paged attention = the dense cache
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen2-bytes-fp8", "qwen2-bytes-fp8-kv", "llama-tiny-fp8-kv"])
+def test_paged_forward_equals_dense_cached_forward(name):
+    """Ragged rows crossing page boundaries, GQA, bf16-grid or FP8 pages: the paged forward's logits
+    equal the dense cache's (same writes, same rounding, same mask), to float32 order."""
+    model = modelopt_jax.load(fixture_dir(name), dtype="float32")
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    lengths = [5, 16, 17, 33]  # inside a page, exactly one page, one past, three pages
+    page = 16
+    # dense reference: each row alone in a dense cache
+    dense = []
+    for n in lengths:
+        ids = rng.integers(1, vocab, n)
+        cache = model.init_cache(1, 64)
+        logits, _ = model.forward_cached(jnp.asarray(ids[None], jnp.int32), jnp.arange(n)[None], cache)
+        dense.append((ids, np.asarray(logits)[0]))
+    # paged: all rows in one step, pages handed out non-contiguously and interleaved
+    pool = model.init_paged_cache(num_pages=16, page_size=page)
+    free = list(range(15, 0, -1))
+    tables = np.zeros((4, 4), np.int32)
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // page)):
+            tables[b, j] = free.pop(0 if b % 2 else -1)
+    width = 48
+    ids = np.zeros((4, width), np.int32)
+    pos = np.zeros((4, width), np.int32)
+    slots = np.zeros((4, width), np.int32)
+    for b, (row, _) in enumerate(dense):
+        n = len(row)
+        ids[b, :n], pos[b, :n] = row, np.arange(n)
+        slots[b, :n] = tables[b, np.arange(n) // page] * page + np.arange(n) % page
+    logits, pool = model.forward_paged(ids, pos, pool, slots, tables)
+    logits = np.asarray(logits)
+    assert pool.is_fp8 == model.kv_cache.is_fp8
+    for b, (row, want) in enumerate(dense):
+        np.testing.assert_allclose(logits[b, :len(row)], want, atol=2e-4, rtol=0, err_msg=f"row {b}")
+    # nothing was written outside the rows' pages and the scratch page
+    used = set(tables[tables > 0].tolist()) | {0}
+    data = np.asarray(pool.keys[0].data).reshape(16, page, -1)
+    untouched = [p for p in range(16) if p not in used]
+    assert untouched and not np.asarray(data[untouched], np.float32).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Continuous batching changes nothing
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def roomy():
+    return _llm()
+
+
+def _tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_batched_equals_alone_and_tight_pool_equals_roomy(roomy):
+    rng = np.random.default_rng(1)
+    prompts = _prompts(12, rng)
+    # long generations: admitted requests outgrow the pool while decoding (preemption)
+    params = [SamplingParams(max_tokens=int(rng.integers(20, 41)), ignore_eos=True, logprobs=2) for _ in prompts]
+    together = roomy.generate(prompts, params, use_tqdm=False)
+    alone = [roomy.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert _tokens(together) == _tokens(alone)
+    for a, b in zip(together, alone):
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            assert ea.keys() == eb.keys()
+            np.testing.assert_allclose(list(ea.values()), list(eb.values()), atol=1e-4)
+    # a pool of 12 usable pages (192 tokens) with max_model_len 128: requests wait and get preempted
+    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_prefill_tokens=64)
+    assert tight.engine.pool.num_pages == 13
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert _tokens(squeezed) == _tokens(together)
+    stats = tight.last_stats
+    assert stats["preemptions"] > 0, stats  # the budget really was too small to run them all at once
+    assert stats["free_pages_after"] == tight.engine.pool.num_pages - 1  # every page back (scratch excepted)
+    for a, b in zip(squeezed, together):
+        assert a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, atol=1e-3)
+
+
+def _page_bytes(llm):
+    from modelopt_jax.engine.engine import page_bytes
+
+    return page_bytes(llm.model, 16)
+
+
+def test_seeded_sampling_does_not_depend_on_batching(roomy):
+    rng = np.random.default_rng(2)
+    prompts = _prompts(6, rng)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=100 + i, ignore_eos=True)
+              for i in range(6)]
+    together = roomy.generate(prompts, params, use_tqdm=False)
+    alone = [roomy.generate(p, q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert _tokens(together) == _tokens(alone)
+    assert len({tuple(t) for t in _tokens(together)}) > 1
+
+
+def test_prompt_logprobs_with_chunked_prefill(roomy):
+    """A prompt prefilled in 16-token chunks reports the same prompt log-probs as in one piece."""
+    prompt = np.random.default_rng(3).integers(1, 256, 70).tolist()
+    params = SamplingParams(max_tokens=3, prompt_logprobs=1, ignore_eos=True)
+    whole = roomy.generate(prompt, params, use_tqdm=False)[0]
+    chunked = _llm(max_prefill_tokens=16).generate(prompt, params, use_tqdm=False)[0]
+    assert whole.token_ids == chunked.token_ids
+    assert chunked.prompt_logprobs[0] is None and len(chunked.prompt_logprobs) == 70
+    for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+def _decisive_prefix_equal(got, want, margin=0.3) -> tuple[int, int]:
+    """(tokens compared, tokens generated): compare up to each request's first near-tie of ``want``."""
+    compared = total = 0
+    for g, w in zip(got, want):
+        total += len(w.token_ids)
+        for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
+            top = sorted(w.logprobs[i].values(), reverse=True)
+            if len(top) > 1 and top[0] - top[1] < margin:
+                break
+            assert a == b, (i, g.token_ids, w.token_ids)
+            compared += 1
+    return compared, total
+
+
+@pytest.mark.slow
+def test_thousand_prompts_with_a_small_pool_on_the_demo():
+    """1000 requests through a 40-page pool finish with the outputs of an unconstrained run; no page leaks."""
+    rng = np.random.default_rng(4)
+    prompts = _prompts(1000, rng, 1, 24)
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 9)), ignore_eos=True, logprobs=1) for _ in prompts]
+    big = _llm("demo", max_model_len=64, max_num_seqs=256)
+    small = _llm("demo", max_model_len=64, kv_cache_bytes=41 * _page_bytes(big), max_num_seqs=256)
+    want, got = big.generate(prompts, params, use_tqdm=False), small.generate(prompts, params, use_tqdm=False)
+    compared, total = _decisive_prefix_equal(got, want)
+    assert compared >= 0.9 * total, (compared, total)
+    assert small.last_stats["free_pages_after"] == 40 and small.last_stats["preemptions"] >= 0
+    assert [len(o.token_ids) for o in got] == [q.max_tokens for q in params]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bookkeeping and bad input
+# ------------------------------------------------------------------------------------------------
+
+def test_page_pool_bookkeeping():
+    pool = PagePool(5, 16)
+    a, b = [], []
+    assert pool.grow(a, 17) and a == [1, 2] and pool.free == 2
+    assert not pool.grow(b, 48) and b == [] and pool.free == 2  # all or nothing
+    assert pool.grow(b, 32) and pool.free == 0
+    pool.release(a)
+    assert a == [] and pool.free == 2 and 0 not in b  # page 0 is never handed out
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        PagePool(1, 16)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kv_cache_memory_fraction=0), "kv_cache_memory_fraction=0 must be in"),
+    (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction=1.5 must be in"),
+    (dict(kv_cache_bytes=1000), "fewer than one sequence of max_model_len=256"),
+    (dict(max_num_seqs=0), "max_num_seqs=0 must be a positive integer"),
+])
+def test_bad_engine_settings_are_clear_errors(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _llm(**kw)
+
+
+def test_prompt_longer_than_max_model_len_is_refused_before_any_work(roomy):
+    with pytest.raises(ValueError, match="prompt 1 has 300 tokens; max_model_len=256"):
+        roomy.generate([[1, 2, 3], [5] * 300], use_tqdm=False)
+    assert roomy.engine.pool.free == roomy.engine.pool.num_pages - 1
