@@ -152,27 +152,52 @@ def _decisive_prefix_equal(got, want, margin=0.3) -> tuple[int, int]:
     for g, w in zip(got, want):
         total += len(w.token_ids)
         for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
-            top = sorted(w.logprobs[i].values(), reverse=True)
-            if len(top) > 1 and top[0] - top[1] < margin:
+            top = sorted(w.logprobs[i].values(), reverse=True)  # chosen + top-2: at least two values
+            if top[0] - top[1] < margin:
                 break
             assert a == b, (i, g.token_ids, w.token_ids)
             compared += 1
     return compared, total
 
 
+def _many(n, seed):
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(n, rng, 1, 24)
+    return prompts, [SamplingParams(max_tokens=int(rng.integers(1, 9)), ignore_eos=True, logprobs=2) for _ in prompts]
+
+
+def _small_and_big(name, pages):
+    big = _llm(name, max_model_len=64, max_num_seqs=256)
+    return _llm(name, max_model_len=64, kv_cache_bytes=(pages + 1) * _page_bytes(big), max_num_seqs=256), big
+
+
 @pytest.mark.slow
 def test_thousand_prompts_with_a_small_pool_on_the_demo():
-    """1000 requests through a 40-page pool finish with the outputs of an unconstrained run; no page leaks."""
-    rng = np.random.default_rng(4)
-    prompts = _prompts(1000, rng, 1, 24)
-    params = [SamplingParams(max_tokens=int(rng.integers(1, 9)), ignore_eos=True, logprobs=1) for _ in prompts]
-    big = _llm("demo", max_model_len=64, max_num_seqs=256)
-    small = _llm("demo", max_model_len=64, kv_cache_bytes=41 * _page_bytes(big), max_num_seqs=256)
+    """1000 requests through a 40-page pool finish with the outputs of an unconstrained run; no page leaks.
+
+    The demo has FP8 activations, so tokens are compared up to each request's first near-tie
+    (measured: about half of all generated tokens are compared; none differs there)."""
+    prompts, params = _many(1000, 4)
+    small, big = _small_and_big("demo", 40)
     want, got = big.generate(prompts, params, use_tqdm=False), small.generate(prompts, params, use_tqdm=False)
     compared, total = _decisive_prefix_equal(got, want)
-    assert compared >= 0.9 * total, (compared, total)
-    assert small.last_stats["free_pages_after"] == 40 and small.last_stats["preemptions"] >= 0
+    assert compared >= total / 3, (compared, total)
     assert [len(o.token_ids) for o in got] == [q.max_tokens for q in params]
+    assert small.last_stats["free_pages_after"] == 40
+    # the small pool really held requests back: at most 40 pages' worth ran at once
+    assert small.last_stats["max_running"] <= 40 < big.last_stats["max_running"]
+
+
+@pytest.mark.slow
+def test_many_prompts_with_a_small_pool_exactly_equal_without_fp8_activations():
+    """Without FP8 activations nothing can flip: every token of 300 requests through a 24-page pool
+    equals the unconstrained run's, log-probs to float32 order."""
+    prompts, params = _many(300, 5)
+    small, big = _small_and_big("qwen2-bytes-bf16", 24)
+    want, got = big.generate(prompts, params, use_tqdm=False), small.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    assert max(abs(a.cumulative_logprob - b.cumulative_logprob) for a, b in zip(got, want)) < 1e-3
+    assert small.last_stats["free_pages_after"] == 24 and small.last_stats["max_running"] <= 24
 
 
 # ------------------------------------------------------------------------------------------------

@@ -103,9 +103,11 @@ class Engine:
         t0 = time.perf_counter()
         first_token_s = None
         prefill_s = decode_s = 0.0
+        max_running = 0
         try:
             while not scheduler.done:
                 batch = scheduler.schedule()
+                max_running = max(max_running, len(scheduler.running))
                 ts = time.perf_counter()
                 result = self.runner.step(batch)
                 elapsed = time.perf_counter() - ts
@@ -141,7 +143,8 @@ class Engine:
                            "first_token_s": first_token_s or total, "generated_tokens": generated,
                            "generated_tokens_per_s": generated / total if total else float("nan"),
                            "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "batch": len(requests),
-                           "preemptions": scheduler.preemptions, "num_pages": self.pool.num_pages,
+                           "preemptions": scheduler.preemptions, "max_running": max_running,
+                           "num_pages": self.pool.num_pages,
                            "free_pages_after": self.pool.free}
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
 
