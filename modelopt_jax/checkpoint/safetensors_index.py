@@ -21,7 +21,8 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError
+from modelopt_jax.checkpoint.files import open_regular
+from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError, NonFiniteTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,11 +80,64 @@ class TensorInfo:
         return self.end - self.begin
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``json`` object hook: a key given twice is an error, not "the last one wins"."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+# Per storage dtype: (unsigned view, mask) such that (bits & mask) == mask marks NaN/inf.
+_NONFINITE_BITS = {
+    "F8_E4M3": (np.uint8, 0x7F),          # e4m3fn has no inf; S.1111.111 is NaN
+    "F8_E5M2": (np.uint8, 0x7C),          # exponent all ones: inf or NaN
+    "BF16": (np.uint16, 0x7F80),
+    "F16": (np.uint16, 0x7C00),
+    "F32": (np.uint32, 0x7F800000),
+    "F64": (np.uint64, 0x7FF0000000000000),
+}
+_SCAN_CHUNK = 1 << 22  # elements per pass: keeps the temporary small and in cache
+
+
+def check_finite(info: "TensorInfo", array: np.ndarray) -> None:
+    """Raises NonFiniteTensorError if a float tensor holds NaN or infinity (FP8: a NaN code).
+
+    Bit tests on an unsigned view, one chunk at a time: ``(bits & mask).max() == mask`` is one
+    vectorised pass per chunk, much cheaper than ``np.isfinite`` through ml_dtypes' float8/bf16.
+    """
+    spec = _NONFINITE_BITS.get(info.dtype)
+    if spec is None or array.size == 0:
+        return
+    view_dtype, mask = spec
+    bits = array.reshape(-1).view(view_dtype)
+    tmp = np.empty(min(bits.size, _SCAN_CHUNK), view_dtype)
+    for start in range(0, bits.size, _SCAN_CHUNK):
+        chunk = bits[start:start + _SCAN_CHUNK]
+        t = tmp[:chunk.size]
+        np.bitwise_and(chunk, view_dtype(mask), out=t)
+        if t.max() == mask:
+            bad = np.flatnonzero(t == mask)
+            count = sum(int(np.count_nonzero((bits[i:i + _SCAN_CHUNK] & view_dtype(mask)) == mask))
+                        for i in range(start, bits.size, _SCAN_CHUNK))
+            index = [int(i) for i in np.unravel_index(start + int(bad[0]), info.shape)] if info.shape else []
+            value = array.reshape(-1)[start + int(bad[0])]
+            raise NonFiniteTensorError(
+                f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {count} non-finite value(s) (NaN or inf), "
+                f"e.g. {float(value)} at index {index} (raw bits 0x{int(chunk[bad[0]]):x}); weights must be finite")
+
+
 def _read_header(path: str) -> dict[str, TensorInfo]:
     """Parses and checks one safetensors file's header; raises CheckpointError naming the file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
@@ -96,7 +150,10 @@ def _read_header(path: str) -> dict[str, TensorInfo]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
     try:
-        header = json.loads(header_bytes)
+        header = json.loads(header_bytes, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: duplicate tensor name {e.args[0]!r} in the safetensors header (a reader "
+                              f"would silently keep one of them); the header is corrupt") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
@@ -158,19 +215,29 @@ class SafetensorsIndex:
 
     def _read_sharded(self, index_path: str) -> list[str]:
         try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            with open_regular(index_path, "r") as f:
+                weight_map = json.load(f, object_pairs_hook=_unique_keys)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
             bad = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str)), None)
             if bad is not None:
                 raise TypeError(f"weight_map maps {bad[0]!r} to {bad[1]!r}, expected a shard file name")
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except _DuplicateKey as e:
+            raise CheckpointError(f"{index_path}: key {e.args[0]!r} appears twice; not a valid safetensors "
+                                  f"index") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
         files = sorted(set(weight_map.values()))
         headers = {}
         for file in files:
-            path = os.path.join(self.directory, file)
+            rel = os.path.normpath(file) if file else ""
+            if not rel or os.path.isabs(rel) or rel == os.curdir or rel == os.pardir or \
+                    rel.startswith(os.pardir + os.sep):
+                names = sorted(n for n, f in weight_map.items() if f == file)
+                raise CheckpointError(
+                    f"{index_path}: shard {file!r} (named for {len(names)} tensors, e.g. {names[0]!r}) is not a file "
+                    f"name inside the checkpoint directory {self.directory}; every shard must be")
+            path = os.path.join(self.directory, rel)
             if not os.path.exists(path):
                 names = sorted(n for n, f in weight_map.items() if f == file)
                 raise MissingTensorError(
@@ -190,7 +257,7 @@ class SafetensorsIndex:
         for header in headers.values():
             for name, info in header.items():
                 self.tensors.setdefault(name, info)
-        return [os.path.join(self.directory, f) for f in files]
+        return [os.path.join(self.directory, os.path.normpath(f)) for f in files]
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -224,7 +291,7 @@ class SafetensorsIndex:
         out = aligned_empty(info.shape, np_dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))
         try:
-            with open(info.file, "rb") as f:
+            with open_regular(info.file) as f:
                 f.seek(info.begin)
                 got = f.readinto(view)
         except OSError as e:
