@@ -15,7 +15,7 @@ import numpy as np
 
 from modelopt_jax.checkpoint.hf_config import ModelConfig, load_model_config
 from modelopt_jax.checkpoint.quant_config import QuantConfig, load_quant_config
-from modelopt_jax.checkpoint.safetensors_index import SafetensorsIndex, TensorInfo, check_finite
+from modelopt_jax.checkpoint.safetensors_index import SafetensorsIndex, TensorInfo
 from modelopt_jax.errors import CheckpointError
 
 
@@ -46,10 +46,8 @@ class Checkpoint:
     def read(self, name: str) -> np.ndarray:
         """Reads a tensor the model consumes; float tensors must be finite (NonFiniteTensorError)."""
         self.consumed.add(name)
-        array = self.tensors.read(name)
-        if not name.endswith("_scale"):  # scales get read_scale's own check (finite and > 0)
-            check_finite(self.tensors.info(name), array)
-        return array
+        # scales get read_scale's own check (finite and > 0) and its message
+        return self.tensors.read(name, check_finite=not name.endswith("_scale"))
 
     def unconsumed(self) -> list[str]:
         return sorted(set(self.tensors) - self.consumed)

@@ -94,43 +94,49 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-# Per storage dtype: (unsigned view, mask) such that (bits & mask) == mask marks NaN/inf.
+# Per storage dtype: (signed view, unsigned view, E) with E the exponent bits (e4m3fn: exponent and
+# mantissa, its only NaN codes being S.1111.111). Non-finite means |bits| >= E: a positive one is
+# >= E as a signed integer, a negative one >= sign|E as an unsigned integer.
 _NONFINITE_BITS = {
-    "F8_E4M3": (np.uint8, 0x7F),          # e4m3fn has no inf; S.1111.111 is NaN
-    "F8_E5M2": (np.uint8, 0x7C),          # exponent all ones: inf or NaN
-    "BF16": (np.uint16, 0x7F80),
-    "F16": (np.uint16, 0x7C00),
-    "F32": (np.uint32, 0x7F800000),
-    "F64": (np.uint64, 0x7FF0000000000000),
+    "F8_E4M3": (np.int8, np.uint8, 0x7F),
+    "F8_E5M2": (np.int8, np.uint8, 0x7C),
+    "BF16": (np.int16, np.uint16, 0x7F80),
+    "F16": (np.int16, np.uint16, 0x7C00),
+    "F32": (np.int32, np.uint32, 0x7F800000),
+    "F64": (np.int64, np.uint64, 0x7FF0000000000000),
 }
-_SCAN_CHUNK = 1 << 22  # elements per pass: keeps the temporary small and in cache
+_SCAN_CHUNK_BYTES = 1 << 20  # the second reduction of a chunk reads it from cache
 
 
-def check_finite(info: "TensorInfo", array: np.ndarray) -> None:
+def _has_nonfinite(flat: np.ndarray, spec) -> bool:
+    signed, unsigned, exp = spec
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    return int(flat.view(signed).max()) >= exp or int(flat.view(unsigned).max()) >= (sign | exp)
+
+
+def check_finite(info: "TensorInfo", array: np.ndarray, *, scanned: bool = False) -> None:
     """Raises NonFiniteTensorError if a float tensor holds NaN or infinity (FP8: a NaN code).
 
-    Bit tests on an unsigned view, one chunk at a time: ``(bits & mask).max() == mask`` is one
-    vectorised pass per chunk, much cheaper than ``np.isfinite`` through ml_dtypes' float8/bf16.
+    Two read-only integer max-reductions per cache-sized chunk (SIMD in numpy, nothing written):
+    several times cheaper than ``np.isfinite`` through ml_dtypes, or a mask-and-compare pass.
     """
     spec = _NONFINITE_BITS.get(info.dtype)
     if spec is None or array.size == 0:
         return
-    view_dtype, mask = spec
-    bits = array.reshape(-1).view(view_dtype)
-    tmp = np.empty(min(bits.size, _SCAN_CHUNK), view_dtype)
-    for start in range(0, bits.size, _SCAN_CHUNK):
-        chunk = bits[start:start + _SCAN_CHUNK]
-        t = tmp[:chunk.size]
-        np.bitwise_and(chunk, view_dtype(mask), out=t)
-        if t.max() == mask:
-            bad = np.flatnonzero(t == mask)
-            count = sum(int(np.count_nonzero((bits[i:i + _SCAN_CHUNK] & view_dtype(mask)) == mask))
-                        for i in range(start, bits.size, _SCAN_CHUNK))
-            index = [int(i) for i in np.unravel_index(start + int(bad[0]), info.shape)] if info.shape else []
-            value = array.reshape(-1)[start + int(bad[0])]
-            raise NonFiniteTensorError(
-                f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {count} non-finite value(s) (NaN or inf), "
-                f"e.g. {float(value)} at index {index} (raw bits 0x{int(chunk[bad[0]]):x}); weights must be finite")
+    signed, unsigned, exp = spec
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    flat = array.reshape(-1)
+    u_bits = flat.view(unsigned)
+    if not scanned:
+        step = max(_SCAN_CHUNK_BYTES // flat.itemsize, 1)
+        if not any(_has_nonfinite(flat[i:i + step], spec) for i in range(0, flat.size, step)):
+            return
+    bad = (u_bits & unsigned(sign - 1)) >= exp  # the slow path: only for the error message
+    first = int(np.argmax(bad))
+    index = [int(i) for i in np.unravel_index(first, info.shape)] if info.shape else []
+    raise NonFiniteTensorError(
+        f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {int(bad.sum())} non-finite value(s) (NaN or inf), "
+        f"e.g. {float(flat[first])} at index {index} (raw bits 0x{int(u_bits[first]):x}); weights must be finite")
 
 
 def _read_header(path: str) -> dict[str, TensorInfo]:
@@ -277,7 +283,7 @@ class SafetensorsIndex:
     def _where(self) -> str:
         return ", ".join(os.path.basename(f) for f in self.files)
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, *, check_finite: bool = False) -> np.ndarray:
         """Reads one tensor into a new, 64-byte aligned numpy array (see :func:`aligned_empty`).
 
         The array owns its (private) buffer; it is never a view of a buffer shared with anything.
@@ -289,14 +295,27 @@ class SafetensorsIndex:
                 f"{info.file}: tensor {name!r} has dtype {info.dtype}, which this package cannot read "
                 f"(supported: {', '.join(NUMPY_DTYPES)})")
         out = aligned_empty(info.shape, np_dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        flat = out.reshape(-1)
+        view = memoryview(flat.view(np.uint8))
+        spec = _NONFINITE_BITS.get(info.dtype) if check_finite else None
+        # With the check, read in cache-sized chunks and scan each while it is still in cache.
+        step = _SCAN_CHUNK_BYTES if spec is not None else max(info.nbytes, 1)
+        got, bad = 0, False
         try:
             with open_regular(info.file) as f:
                 f.seek(info.begin)
-                got = f.readinto(view)
+                while got < info.nbytes:
+                    n = f.readinto(view[got:got + step])
+                    if not n:
+                        break
+                    if spec is not None and not bad:
+                        bad = _has_nonfinite(flat[got // flat.itemsize:(got + n) // flat.itemsize], spec)
+                    got += n
         except OSError as e:
             raise CheckpointError(f"{info.file}: tensor {name!r}: read failed: {e}") from e
         if got != info.nbytes:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r}: expected {info.nbytes} bytes, read {got}; file truncated?")
+        if bad:
+            check_finite(info, out, scanned=True)  # raises, naming the first bad element
         return out
