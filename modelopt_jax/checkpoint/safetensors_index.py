@@ -139,6 +139,9 @@ def check_finite(info: "TensorInfo", array: np.ndarray, *, scanned: bool = False
         f"e.g. {float(flat[first])} at index {index} (raw bits 0x{int(u_bits[first]):x}); weights must be finite")
 
 
+_check_array = check_finite  # SafetensorsIndex.read's keyword of the same name hides it there
+
+
 def _read_header(path: str) -> dict[str, TensorInfo]:
     """Parses and checks one safetensors file's header; raises CheckpointError naming the file."""
     try:
@@ -317,5 +320,5 @@ class SafetensorsIndex:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r}: expected {info.nbytes} bytes, read {got}; file truncated?")
         if bad:
-            check_finite(info, out, scanned=True)  # raises, naming the first bad element
+            _check_array(info, out, scanned=True)  # raises, naming the first bad element
         return out
