@@ -297,7 +297,10 @@ except PermissionError:
     print("EACCES")
     sys.exit(0)
 msg = json.dumps({"op": "stop"}).encode()
-s.sendall(struct.pack(">I", len(msg)) + msg)
+try:
+    s.sendall(struct.pack(">I", len(msg)) + msg)
+except BrokenPipeError:  # the daemon refuses before reading: its reply is already waiting
+    pass
 n = struct.unpack(">I", s.recv(4))[0]
 print(s.recv(n).decode())
 """
