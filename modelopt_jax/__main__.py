@@ -60,11 +60,14 @@ def _weight_cache(args) -> int:
                   flush=True)
 
         serve(args.model, device=args.device, socket_dir=args.socket_dir, dtype=args.dtype, backend=args.backend,
-              tensor_parallel=args.tensor_parallel, ready=ready)
+              tensor_parallel=args.tensor_parallel, message_timeout=args.message_timeout, ready=ready)
         return 0
-    from modelopt_jax.weight_cache.client import request
+    from modelopt_jax.weight_cache.client import request, stop
 
-    reply = request(args.wc_command, socket_dir=args.socket_dir, device=args.device)
+    if args.wc_command == "stop":  # also cleans up after a daemon that was killed
+        reply = stop(socket_dir=args.socket_dir, device=args.device)
+    else:
+        reply = request(args.wc_command, socket_dir=args.socket_dir, device=args.device)
     print(json.dumps(reply, indent=2, sort_keys=True))
     return 0 if reply.get("ok") else 1
 
@@ -105,6 +108,8 @@ def main(argv=None) -> int:
     ws.add_argument("--tensor-parallel", type=int, default=1,
                     help="serve shard DEVICE of a split over this many GPUs (one daemon per GPU; clients use "
                          "LLM(..., tensor_parallel_size=N, weight_cache=...))")
+    ws.add_argument("--message-timeout", type=float, default=60.0,
+                    help="seconds a client has to send one whole request (default 60)")
     for q in (ws, wsub.add_parser("status", help="describe the daemon serving a device"),
               wsub.add_parser("stop", help="stop the daemon serving a device")):
         q.add_argument("--device", type=int, default=0)

@@ -32,6 +32,10 @@ class InvalidScaleError(CheckpointError):
     """A quantization scale is NaN, infinite, zero or negative."""
 
 
+class NonFiniteTensorError(CheckpointError):
+    """A weight holds NaN or infinity (an FP8 NaN code, ``inf`` in a bf16 norm weight, ...)."""
+
+
 class ShapeMismatchError(CheckpointError):
     """A tensor's shape does not match what config.json implies."""
 
@@ -62,6 +66,13 @@ class WeightCacheError(ModelOptJaxError, RuntimeError):
     def __init__(self, message: str, *, mismatch: list[str] | None = None):
         super().__init__(message)
         self.mismatch = list(mismatch or [])
+
+
+class WeightCachePermissionError(WeightCacheError):
+    """A weight-cache directory, socket peer or shared-memory segment is not this user's own.
+
+    Raised before anything is mapped: another user could otherwise serve poisoned weights.
+    """
 
 
 class WeightCacheProtocolError(WeightCacheError):

@@ -8,6 +8,7 @@ exercise CUDA IPC mode (one daemon-owned device allocation, DLPack views in the 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 
 import jax
 import numpy as np
@@ -26,61 +26,15 @@ import pytest
 from flax import nnx
 
 from fixture_paths import fixture_dir
+from weight_cache_helpers import REPO, DaemonProcess
 from modelopt_jax import LLM, SamplingParams, load
 from modelopt_jax.errors import UnsupportedForWeightCacheError, WeightCacheError, WeightCacheProtocolError
 from modelopt_jax.synthetic import write_checkpoint
 from modelopt_jax.weight_cache import fingerprint, protocol
 from modelopt_jax.weight_cache.client import request
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = ["It is a truth universally acknowledged", "The weight cache"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-class DaemonProcess:
-    def __init__(self, model, socket_dir, *, dtype="float32", device=0, env=None, wait=True, tp=1):
-        self.dir = str(socket_dir)
-        self.device = device
-        self.sock = os.path.join(self.dir, f"device-{device}.sock")
-        cmd = [sys.executable, "-m", "modelopt_jax", "weight-cache", "serve", "--model", str(model), "--dtype", dtype,
-               "--device", str(device), "--socket-dir", self.dir, "--tensor-parallel", str(tp)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        if wait:
-            try:
-                self.wait_ready()
-            except BaseException:
-                self.proc.kill()  # never leave an orphaned daemon behind a failed test
-                self.proc.wait()
-                raise
-
-    def wait_ready(self, timeout=60):
-        deadline = time.monotonic() + timeout
-        while True:  # a stale socket of a killed daemon may exist: wait until *this* one answers
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.proc.stdout.read()}")
-            try:
-                reply = request("status", socket_dir=self.dir, device=self.device, timeout=5)
-                if reply.get("pid") == self.proc.pid or reply.get("refused") == "uid":
-                    return
-            except WeightCacheError:
-                pass
-            assert time.monotonic() < deadline, "daemon did not open its socket"
-            time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            try:
-                if not request("stop", socket_dir=self.dir, device=self.device).get("ok"):
-                    self.proc.terminate()  # e.g. the uid test: SIGTERM must clean up as well
-            except WeightCacheError:
-                self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.stdout.read()
 
 
 def _outputs(llm):
@@ -283,62 +237,146 @@ def test_protocol_errors_are_typed():
             protocol.recv(a, timeout=0.1)
 
 
-def test_concurrent_clients_attach_and_agree(fp8_daemon):
+_CLIENT = """
+import os, sys, time
+import numpy as np
+from modelopt_jax import load
+path, sock, out, go = sys.argv[1:5]
+open(out + ".ready", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.01)
+m = load(path, dtype="float32", weight_cache="require", weight_cache_dir=sock)
+np.save(out, np.asarray(m(np.array([[1, 72, 101, 108, 108, 111]], np.int32))))
+print(m.info.weights)
+"""
+
+
+def _concurrent_processes(daemon, n, tmp_path):
+    """``n`` client processes released at once; each attaches and computes logits."""
     path = fixture_dir("qwen2-bytes-fp8")
     reference = np.asarray(load(path, dtype="float32")(np.array([[1, 72, 101, 108, 108, 111]], np.int32)))
-    before = request("status", socket_dir=fp8_daemon.dir)["attaches"]
-    results, errors = [None] * 16, []
+    before = request("status", socket_dir=daemon.dir)["attaches"]
+    go = tmp_path / "go"
+    outs = [tmp_path / f"logits{i}.npy" for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, str(path), daemon.dir, str(o), str(go)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for o in outs]
+    try:
+        deadline = time.monotonic() + 300
+        while not all(pathlib.Path(f"{o}.ready").exists() for o in outs):  # every process imported JAX
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        go.touch()
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0 and stdout.strip() == "daemon", stderr
+    for o in outs:
+        assert np.array_equal(np.load(o), reference)
+    assert request("status", socket_dir=daemon.dir)["attaches"] == before + n
 
-    def client(i):
+
+def test_concurrent_client_processes_attach_and_agree(fp8_daemon, tmp_path):
+    _concurrent_processes(fp8_daemon, 16, tmp_path)
+
+
+@pytest.mark.slow
+def test_32_concurrent_client_processes(fp8_daemon, tmp_path):
+    _concurrent_processes(fp8_daemon, 32, tmp_path)
+
+
+_OTHER_USER = """
+import json, os, socket, struct, sys
+os.setgid(65534)
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("EACCES")
+    sys.exit(0)
+msg = json.dumps({"op": "stop"}).encode()
+try:
+    s.sendall(struct.pack(">I", len(msg)) + msg)
+except BrokenPipeError:  # the daemon refuses before reading: its reply is already waiting
+    pass
+n = struct.unpack(">I", s.recv(4))[0]
+print(s.recv(n).decode())
+"""
+
+
+def _can_be_nobody() -> bool:
+    code = "import os; os.setgid(65534); os.setuid(65534)"
+    return os.getuid() == 0 and subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_be_nobody(), reason="needs root and a uid 65534 to switch to (a second user)")
+def test_peer_uid_refused(tmp_path):
+    """A real second user (uid 65534): stopped by the 0700 directory; with the directory and socket
+    opened up on purpose, refused by the daemon's SO_PEERCRED check, which is the last line."""
+    import shutil
+    import tempfile
+
+    path = fixture_dir("qwen2-bytes-fp8")
+    base = tempfile.mkdtemp(prefix="wc-uid-", dir="/tmp")  # pytest's tmp_path is closed to other users
+    os.chmod(base, 0o755)
+    daemon = DaemonProcess(path, os.path.join(base, "sock"))
+    try:
+        def as_nobody():
+            out = subprocess.run([sys.executable, "-c", _OTHER_USER, daemon.sock], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+            return out.stdout.strip()
+
+        assert as_nobody() == "EACCES"
+        os.chmod(daemon.dir, 0o711)
+        os.chmod(daemon.sock, 0o666)
+        reply = json.loads(as_nobody())
+        assert reply == {"ok": False, "error": "peer uid 65534 is not allowed by this daemon (uid 0 only)",
+                         "refused": "uid"}
+        # our own client refuses a directory others can enter, before it connects
+        with pytest.raises(WeightCacheError, match="has mode 0711, expected 0700"):
+            load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+        os.chmod(daemon.dir, 0o700)
+        assert load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir).info.weights \
+            == "daemon"
+        assert daemon.proc.poll() is None  # the other user's "stop" was refused
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert daemon.proc.returncode == 0
+
+
+def test_daemon_sigkilled_during_attach(tmp_path):
+    """The daemon dies while a client waits for its attach reply: a prompt error, or the disk."""
+    path = fixture_dir("qwen2-bytes-fp8")
+    daemon = DaemonProcess(path, tmp_path / "sock")
+    pid = request("status", socket_dir=daemon.dir)["pid"]
+    os.kill(pid, signal.SIGSTOP)  # holds the attach between connect and reply
+    results = {}
+
+    def attach(mode):
         try:
-            m = load(path, dtype="float32", weight_cache="require", weight_cache_dir=fp8_daemon.dir)
-            results[i] = (m.info.weights, np.asarray(m(np.array([[1, 72, 101, 108, 108, 111]], np.int32))))
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+            results[mode] = load(path, dtype="float32", weight_cache=mode, weight_cache_dir=daemon.dir,
+                                 weight_cache_timeout=60).info.weights
+        except WeightCacheError as e:
+            results[mode] = e
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=attach, args=(m,)) for m in ("require", "auto")]
     for t in threads:
         t.start()
+    time.sleep(1.5)
+    assert all(t.is_alive() for t in threads)  # both are inside the attach
+    t0 = time.monotonic()
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(10)
     for t in threads:
-        t.join(120)
-    assert not errors, errors
-    for source, logits in results:
-        assert source == "daemon" and np.array_equal(logits, reference)
-    assert request("status", socket_dir=fp8_daemon.dir)["attaches"] == before + 16
-
-
-def test_peer_uid_refused(tmp_path):
-    path = fixture_dir("qwen2-bytes-fp8")
-    daemon = DaemonProcess(path, tmp_path / "sock", env={"MODELOPT_JAX_WEIGHT_CACHE_ALLOWED_UID": str(os.getuid() + 1)})
-    try:
-        with pytest.raises(WeightCacheError, match=f"peer uid {os.getuid()} is not allowed"):
-            load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
-        assert load(path, dtype="float32", weight_cache="auto", weight_cache_dir=daemon.dir).info.weights \
-            == "disk"
-        if os.getuid() == 0:  # a real other user: refused (by the 0700 directory before SO_PEERCRED)
-            with warnings.catch_warnings():  # the child only touches a socket, never JAX
-                warnings.simplefilter("ignore", RuntimeWarning)
-                pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    os.setgid(65534)
-                    os.setuid(65534)
-                except BaseException:  # noqa: BLE001 -- e.g. a sandbox without that uid mapped
-                    os._exit(5)
-                try:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.connect(daemon.sock)
-                    code = 3  # connected: must not happen
-                except OSError:  # permission denied on the 0700 directory (or the socket)
-                    code = 0
-                os._exit(code)
-            # 5: this environment cannot switch to another user (Bazel's sandbox): nothing to check
-            assert os.waitpid(pid, 0)[1] >> 8 in (0, 5)
-        assert daemon.proc.poll() is None
-    finally:
-        daemon.stop()  # refused even "stop": terminated with SIGTERM, which must clean up too
-    assert daemon.proc.returncode == 0 and os.listdir(daemon.dir) == []
+        t.join(60)
+    assert time.monotonic() - t0 < 30
+    assert isinstance(results["require"], WeightCacheError)
+    assert "closed the connection" in str(results["require"]) or "reset by peer" in str(results["require"])
+    assert results["auto"] == "disk"
 
 
 def test_sigkilled_daemon_auto_falls_back(tmp_path):
@@ -374,11 +412,12 @@ def test_require_waits_for_a_loading_daemon(tmp_path):
         model = load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir,
                      weight_cache_timeout=60)
         assert model.info.weights == "daemon"
+        shm_name = request("status", socket_dir=daemon.dir)["shm_name"]
     finally:
         out = daemon.stop()
     assert daemon.proc.returncode == 0, out
     assert os.listdir(daemon.dir) == []  # socket and lock removed
-    assert not any(n.startswith(f"mojwc_{os.getuid()}_0_{daemon.proc.pid}") for n in os.listdir("/dev/shm"))
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
 
 
 @pytest.mark.parametrize("quant_algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])

@@ -20,7 +20,9 @@ struct DeviceInfo {
 };
 
 // Compute capability and SM count of `device`, queried once per device.
-const DeviceInfo& GetDeviceInfo(int device) {
+// Returned by value: another device's thread may resize the cache (moving its elements) as soon
+// as the lock is released, so a reference into it could dangle.
+DeviceInfo GetDeviceInfo(int device) {
   static std::mutex mu;
   static std::vector<DeviceInfo> cache;
   std::lock_guard<std::mutex> lock(mu);
@@ -62,7 +64,7 @@ ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return ffi::Error::Internal("modelopt_fp8_gemm: cudaGetDevice failed");
-  const DeviceInfo& info = GetDeviceInfo(device);
+  const DeviceInfo info = GetDeviceInfo(device);
 
   const KernelConfig* table = nullptr;
   int count = 0, chosen = -1;

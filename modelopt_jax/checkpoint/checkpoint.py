@@ -44,8 +44,10 @@ class Checkpoint:
         return self.tensors.info(name)
 
     def read(self, name: str) -> np.ndarray:
+        """Reads a tensor the model consumes; float tensors must be finite (NonFiniteTensorError)."""
         self.consumed.add(name)
-        return self.tensors.read(name)
+        # scales get read_scale's own check (finite and > 0) and its message
+        return self.tensors.read(name, check_finite=not name.endswith("_scale"))
 
     def unconsumed(self) -> list[str]:
         return sorted(set(self.tensors) - self.consumed)

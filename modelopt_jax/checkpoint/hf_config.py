@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
+from modelopt_jax.checkpoint.files import open_regular
 from modelopt_jax.errors import ConfigError, UnsupportedModelError
 
 CONFIG_FILE = "config.json"
@@ -71,7 +73,7 @@ class ModelConfig:
 def read_json(path: str) -> dict[str, Any]:
     """Reads a JSON object, turning every failure into a ConfigError that names the file."""
     try:
-        with open(path) as f:
+        with open_regular(path, "r") as f:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
@@ -94,13 +96,23 @@ def _rope_config(raw: dict[str, Any], path: str) -> RopeConfig:
         raise UnsupportedModelError(
             f"{path}: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     try:
-        return RopeConfig(
+        rope = RopeConfig(
             theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise ConfigError(f"{path}: bad RoPE parameters {merged!r}: {e}") from e
+    # Each of these divides or scales the inverse frequencies: 0, a negative or a NaN gives NaN logits.
+    for key in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+        value = getattr(rope, key)
+        if not (math.isfinite(value) and value > 0):
+            name = "rope_theta" if key == "theta" else key
+            raise ConfigError(f"{path}: RoPE {name} must be a finite number > 0, found {value!r}")
+    if rope.original_max_position_embeddings <= 0:
+        raise ConfigError(f"{path}: RoPE original_max_position_embeddings must be > 0, found "
+                          f"{rope.original_max_position_embeddings}")
+    return rope
 
 
 def _positive_int(raw: dict[str, Any], key: str, path: str) -> int:
@@ -115,6 +127,13 @@ def _number(raw: dict[str, Any], key: str, default: float, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path}: {key} must be a number, found {value!r}")
     return float(value)
+
+
+def _norm_eps(raw: dict[str, Any], path: str) -> float:
+    eps = _number(raw, "rms_norm_eps", 1e-6, path)
+    if not (math.isfinite(eps) and eps >= 0):  # NaN poisons every norm; a negative one can divide by ~0
+        raise ConfigError(f"{path}: rms_norm_eps must be a finite number >= 0, found {eps!r}")
+    return eps
 
 
 def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
@@ -151,7 +170,7 @@ def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
         intermediate_size=_positive_int(raw, "intermediate_size", path),
         num_hidden_layers=_positive_int(raw, "num_hidden_layers", path),
         num_attention_heads=n_heads, num_key_value_heads=int(n_kv), head_dim=int(head_dim),
-        rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6, path),
+        rms_norm_eps=_norm_eps(raw, path),
         max_position_embeddings=(4096 if raw.get("max_position_embeddings") is None
                                  else _positive_int(raw, "max_position_embeddings", path)),
         rope=_rope_config(raw, path),
@@ -177,7 +196,7 @@ def eos_ids(checkpoint_dir: str) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(checkpoint_dir, name)
         if os.path.exists(path):
-            with open(path) as f:
+            with open_regular(path, "r") as f:
                 value = json.load(f).get("eos_token_id")
             if value is not None:
                 return list(value) if isinstance(value, list) else [int(value)]

@@ -21,7 +21,8 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
-from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError
+from modelopt_jax.checkpoint.files import open_regular
+from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError, NonFiniteTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,11 +80,73 @@ class TensorInfo:
         return self.end - self.begin
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``json`` object hook: a key given twice is an error, not "the last one wins"."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+# Per storage dtype: (signed view, unsigned view, E) with E the exponent bits (e4m3fn: exponent and
+# mantissa, its only NaN codes being S.1111.111). Non-finite means |bits| >= E: a positive one is
+# >= E as a signed integer, a negative one >= sign|E as an unsigned integer.
+_NONFINITE_BITS = {
+    "F8_E4M3": (np.int8, np.uint8, 0x7F),
+    "F8_E5M2": (np.int8, np.uint8, 0x7C),
+    "BF16": (np.int16, np.uint16, 0x7F80),
+    "F16": (np.int16, np.uint16, 0x7C00),
+    "F32": (np.int32, np.uint32, 0x7F800000),
+    "F64": (np.int64, np.uint64, 0x7FF0000000000000),
+}
+_SCAN_CHUNK_BYTES = 1 << 20  # the second reduction of a chunk reads it from cache
+
+
+def _has_nonfinite(flat: np.ndarray, spec) -> bool:
+    signed, unsigned, exp = spec
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    return int(flat.view(signed).max()) >= exp or int(flat.view(unsigned).max()) >= (sign | exp)
+
+
+def check_finite(info: "TensorInfo", array: np.ndarray, *, scanned: bool = False) -> None:
+    """Raises NonFiniteTensorError if a float tensor holds NaN or infinity (FP8: a NaN code).
+
+    Two read-only integer max-reductions per cache-sized chunk (SIMD in numpy, nothing written):
+    several times cheaper than ``np.isfinite`` through ml_dtypes, or a mask-and-compare pass.
+    """
+    spec = _NONFINITE_BITS.get(info.dtype)
+    if spec is None or array.size == 0:
+        return
+    signed, unsigned, exp = spec
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    flat = array.reshape(-1)
+    u_bits = flat.view(unsigned)
+    if not scanned:
+        step = max(_SCAN_CHUNK_BYTES // flat.itemsize, 1)
+        if not any(_has_nonfinite(flat[i:i + step], spec) for i in range(0, flat.size, step)):
+            return
+    bad = (u_bits & unsigned(sign - 1)) >= exp  # the slow path: only for the error message
+    first = int(np.argmax(bad))
+    index = [int(i) for i in np.unravel_index(first, info.shape)] if info.shape else []
+    raise NonFiniteTensorError(
+        f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {int(bad.sum())} non-finite value(s) (NaN or inf), "
+        f"e.g. {float(flat[first])} at index {index} (raw bits 0x{int(u_bits[first]):x}); weights must be finite")
+
+
+_check_array = check_finite  # SafetensorsIndex.read's keyword of the same name hides it there
+
+
 def _read_header(path: str) -> dict[str, TensorInfo]:
     """Parses and checks one safetensors file's header; raises CheckpointError naming the file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
@@ -96,7 +159,10 @@ def _read_header(path: str) -> dict[str, TensorInfo]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
     try:
-        header = json.loads(header_bytes)
+        header = json.loads(header_bytes, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: duplicate tensor name {e.args[0]!r} in the safetensors header (a reader "
+                              f"would silently keep one of them); the header is corrupt") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
@@ -158,19 +224,29 @@ class SafetensorsIndex:
 
     def _read_sharded(self, index_path: str) -> list[str]:
         try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            with open_regular(index_path, "r") as f:
+                weight_map = json.load(f, object_pairs_hook=_unique_keys)["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
             bad = next(((n, f) for n, f in weight_map.items() if not isinstance(f, str)), None)
             if bad is not None:
                 raise TypeError(f"weight_map maps {bad[0]!r} to {bad[1]!r}, expected a shard file name")
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except _DuplicateKey as e:
+            raise CheckpointError(f"{index_path}: key {e.args[0]!r} appears twice; not a valid safetensors "
+                                  f"index") from None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
         files = sorted(set(weight_map.values()))
         headers = {}
         for file in files:
-            path = os.path.join(self.directory, file)
+            rel = os.path.normpath(file) if file else ""
+            if not rel or os.path.isabs(rel) or rel == os.curdir or rel == os.pardir or \
+                    rel.startswith(os.pardir + os.sep):
+                names = sorted(n for n, f in weight_map.items() if f == file)
+                raise CheckpointError(
+                    f"{index_path}: shard {file!r} (named for {len(names)} tensors, e.g. {names[0]!r}) is not a file "
+                    f"name inside the checkpoint directory {self.directory}; every shard must be")
+            path = os.path.join(self.directory, rel)
             if not os.path.exists(path):
                 names = sorted(n for n, f in weight_map.items() if f == file)
                 raise MissingTensorError(
@@ -190,7 +266,7 @@ class SafetensorsIndex:
         for header in headers.values():
             for name, info in header.items():
                 self.tensors.setdefault(name, info)
-        return [os.path.join(self.directory, f) for f in files]
+        return [os.path.join(self.directory, os.path.normpath(f)) for f in files]
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -210,7 +286,7 @@ class SafetensorsIndex:
     def _where(self) -> str:
         return ", ".join(os.path.basename(f) for f in self.files)
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, *, check_finite: bool = False) -> np.ndarray:
         """Reads one tensor into a new, 64-byte aligned numpy array (see :func:`aligned_empty`).
 
         The array owns its (private) buffer; it is never a view of a buffer shared with anything.
@@ -222,14 +298,27 @@ class SafetensorsIndex:
                 f"{info.file}: tensor {name!r} has dtype {info.dtype}, which this package cannot read "
                 f"(supported: {', '.join(NUMPY_DTYPES)})")
         out = aligned_empty(info.shape, np_dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        flat = out.reshape(-1)
+        view = memoryview(flat.view(np.uint8))
+        spec = _NONFINITE_BITS.get(info.dtype) if check_finite else None
+        # With the check, read in cache-sized chunks and scan each while it is still in cache.
+        step = _SCAN_CHUNK_BYTES if spec is not None else max(info.nbytes, 1)
+        got, bad = 0, False
         try:
-            with open(info.file, "rb") as f:
+            with open_regular(info.file) as f:
                 f.seek(info.begin)
-                got = f.readinto(view)
+                while got < info.nbytes:
+                    n = f.readinto(view[got:got + step])
+                    if not n:
+                        break
+                    if spec is not None and not bad:
+                        bad = _has_nonfinite(flat[got // flat.itemsize:(got + n) // flat.itemsize], spec)
+                    got += n
         except OSError as e:
             raise CheckpointError(f"{info.file}: tensor {name!r}: read failed: {e}") from e
         if got != info.nbytes:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r}: expected {info.nbytes} bytes, read {got}; file truncated?")
+        if bad:
+            _check_array(info, out, scanned=True)  # raises, naming the first bad element
         return out

@@ -13,13 +13,16 @@ elsewhere). Static scales come from the plan and are compiled in as constants as
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import socket
+import struct
 import time
 
 import jax
 
-from modelopt_jax.errors import ConfigError, WeightCacheError
+from modelopt_jax.errors import ConfigError, WeightCacheError, WeightCachePermissionError
 from modelopt_jax.pipeline import check_plan_matches
 from modelopt_jax.quant.plan import ModelPlan
 from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
@@ -29,26 +32,80 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 60.0
 
 
-def request(op: str, *, socket_dir=None, device: int = 0, timeout: float = 30.0, **fields) -> dict:
-    """One request/reply with the daemon for ``device``; raises WeightCacheError if none answers."""
-    directory = paths.resolve_dir(socket_dir)
-    path = paths.socket_path(directory, device)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _connect(path: str, directory: str, device: int, deadline: float) -> socket.socket:
+    """A connection to the daemon's socket, retried with backoff while its accept backlog is full."""
+    delay = 0.01
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
         try:
             sock.connect(path)
+            return sock
         except (FileNotFoundError, ConnectionRefusedError) as e:
+            sock.close()
             raise WeightCacheError(f"no weight-cache daemon serves device {device} at {path} ({e.strerror})") from e
         except OSError as e:
-            raise WeightCacheError(f"cannot connect to the weight-cache daemon at {path}: {e}") from e
+            sock.close()
+            busy = e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or isinstance(e, socket.timeout)
+            if not busy or time.monotonic() + delay > deadline:
+                raise WeightCacheError(f"cannot connect to the weight-cache daemon at {path}: {e}") from e
+            time.sleep(delay)  # a full backlog: many clients starting at once
+            delay = min(delay * 2, 0.5)
+
+
+def request(op: str, *, socket_dir=None, device: int = 0, timeout: float = 30.0, **fields) -> dict:
+    """One request/reply with the daemon for ``device`` within ``timeout`` seconds in all.
+
+    Before sending anything it checks that the socket directory is this user's own and 0700, and
+    that the process listening on the socket runs as this user (SO_PEERCRED); raises
+    :class:`WeightCachePermissionError` otherwise and WeightCacheError if no daemon answers.
+    """
+    directory = paths.resolve_dir(socket_dir)
+    path = paths.socket_path(directory, device)
+    if not paths.check_private_dir(directory):
+        raise WeightCacheError(f"no weight-cache daemon serves device {device} at {path} (no directory {directory})")
+    deadline = time.monotonic() + timeout
+    sock = _connect(path, directory, device, deadline)
+    try:
+        uid = _peer_uid(sock)
+        if uid != os.getuid():
+            raise WeightCachePermissionError(f"the process listening on {path} runs as uid {uid}, not as this "
+                                             f"process's uid {os.getuid()}; refusing to talk to it")
         protocol.send(sock, {"op": op, **fields})
         try:
-            return protocol.recv(sock, timeout=timeout, max_bytes=protocol.MAX_REPLY)
+            return protocol.recv(sock, timeout=max(deadline - time.monotonic(), 0.01), max_bytes=protocol.MAX_REPLY)
         except EOFError as e:
             raise WeightCacheError(f"the weight-cache daemon at {path} closed the connection") from e
     finally:
         sock.close()
+
+
+def stop(*, socket_dir=None, device: int = 0, timeout: float = 30.0) -> dict:
+    """Stops the daemon for ``device``; if it died (SIGKILL), removes its socket, lock and segment."""
+    from modelopt_jax.weight_cache.daemon import remove_stale
+
+    directory = paths.resolve_dir(socket_dir)
+    try:
+        return request("stop", socket_dir=directory, device=device, timeout=timeout)
+    except WeightCachePermissionError:
+        raise
+    except WeightCacheError as e:
+        with paths.take_stale_lock(directory, device) as info:
+            if info is None:
+                if paths.lock_holder(directory, device) is not None:
+                    raise WeightCacheError(f"{e}; a daemon holds the lock for device {device} (still loading?)") from e
+                if not os.path.exists(paths.socket_path(directory, device)):
+                    raise
+                info = {}
+            removed = remove_stale(directory, device, info)
+        return {"ok": True, "stale": True, "removed": removed,
+                "message": f"no daemon was running for device {device}; removed what a dead one left: "
+                           f"{', '.join(removed) or 'nothing'}"}
 
 
 def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: float) -> dict:
@@ -56,11 +113,14 @@ def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: floa
     deadline = time.monotonic() + timeout
     while True:
         try:
-            reply = request("attach", socket_dir=directory, device=device, fingerprint=fp)
+            reply = request("attach", socket_dir=directory, device=device, fingerprint=fp,
+                            timeout=max(deadline - time.monotonic(), 0.05))
             break
+        except WeightCachePermissionError:
+            raise
         except WeightCacheError:
-            # still loading? (a live pid in the lock file, no socket yet): only "require" waits
-            if mode != "require" or paths.daemon_pid(directory, device) is None or time.monotonic() > deadline:
+            # still loading? (a daemon holds the lock, no socket yet): only "require" waits
+            if mode != "require" or paths.lock_holder(directory, device) is None or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
     if not reply.get("ok"):

@@ -7,15 +7,18 @@ pipeline's stages (:mod:`modelopt_jax.pipeline`: plan, process, check leftovers)
 store (one CUDA allocation exported over IPC on a GPU, POSIX shared memory elsewhere; see
 :mod:`.placement`), and only then bind the socket -- so a socket that exists always serves a
 complete cache.
-Each connection gets a thread; peers are checked with SO_PEERCRED; a bad message or a crashed
-client only ends that connection. ``stop`` (or SIGTERM/SIGINT) frees the store and removes socket
-and lock.
+Each connection gets a thread; peers are checked with SO_PEERCRED (only our own uid is served);
+a bad message, a crashed client or a failed ``accept`` (e.g. out of file descriptors) only ends
+that connection. ``stop`` (or SIGTERM/SIGINT) frees the store and removes socket and lock. The
+lock file names the store's shared-memory segment, so the next holder of the lock (a new daemon,
+or ``weight-cache stop``) removes what a SIGKILLed daemon left behind.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -35,8 +38,8 @@ from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement,
 from modelopt_jax.weight_cache.layout import check_supported
 
 log = logging.getLogger(__name__)
-# Test hook: the uid the daemon accepts instead of its own (lets tests exercise the refusal path).
-ENV_ALLOWED_UID = "MODELOPT_JAX_WEIGHT_CACHE_ALLOWED_UID"
+MESSAGE_TIMEOUT = 60.0  # seconds a peer has to send one whole message
+LOCK_WAIT = 1.0  # clients probing the lock hold it shared for microseconds: retry this long before giving up
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -58,36 +61,24 @@ def process(ckpt, *, dtype, backend: str, where: placement.Placement | None = No
     return plan, arrays
 
 
-def _remove_dead_segments(device: int) -> None:
-    """Unlinks segments left by our dead daemons for this device (named mojwc_<uid>_<device>_<pid>).
-
-    A SIGKILLed daemon's segment is normally removed by its multiprocessing resource tracker;
-    this is the backstop for when the tracker died too.
-    """
-    prefix = f"mojwc_{os.getuid()}_{device}_"
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
+def remove_stale(directory: str, device: int, info: dict) -> list[str]:
+    """Removes what a dead daemon left (its segment, socket, lock); call only while holding its lock."""
+    removed = []
+    name = info.get("segment")
+    if isinstance(name, str) and host_store.remove_stale(name):
+        removed.append(f"/dev/shm/{name}")
+    for path in (paths.socket_path(directory, device), paths.lock_path(directory, device)):
         try:
-            pid = int(name[len(prefix):])
-            os.kill(pid, 0)
-        except ValueError:
-            continue
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-                log.info("removed shared memory %s of a dead daemon (pid %d)", name, pid)
-            except OSError:
-                pass
-        except PermissionError:
-            continue
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 class Daemon:
     def __init__(self, model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, message_timeout: float = MESSAGE_TIMEOUT):
         self.model_path = os.path.abspath(os.fspath(model_path))
         self.device = int(device)
         # Under tensor parallelism the daemon of device i serves shard i of load(mesh=make_mesh(tp)),
@@ -102,7 +93,8 @@ class Daemon:
         check_backend(backend)
         self.socket_path = paths.socket_path(self.dir, self.device)
         self.lock_path = paths.lock_path(self.dir, self.device)
-        self.allowed_uid = int(os.environ.get(ENV_ALLOWED_UID, os.getuid()))
+        self.allowed_uid = os.getuid()
+        self.message_timeout = float(message_timeout)
         self.stop_event = threading.Event()
         self.lock_fd = None
         self.store = None  # host_store.Segment or cuda_store.Slab
@@ -112,15 +104,29 @@ class Daemon:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _lock(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise WeightCacheError(f"another weight-cache daemon already serves device {self.device} "
-                                   f"(pid {paths.daemon_pid(self.dir, self.device)}, lock {self.lock_path})")
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise paths.os_error(e, f"cannot create the weight-cache lock file {self.lock_path}") from e
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                info = paths.read_lock_info(fd)
+                os.close(fd)
+                raise WeightCacheError(f"another weight-cache daemon already serves device {self.device} "
+                                       f"(pid {info.get('pid')}, lock {self.lock_path})") from None
+        previous = paths.read_lock_info(fd)
+        if previous.get("segment"):  # we hold the lock, so the daemon that wrote this is gone
+            if host_store.remove_stale(str(previous["segment"])):
+                log.info("removed /dev/shm/%s left by a dead daemon (pid %s)", previous["segment"], previous.get("pid"))
+        self.lock_info = {"pid": os.getpid(), "segment": None}
+        paths.write_lock_info(fd, self.lock_info)
         self.lock_fd = fd
 
     def prepare(self) -> None:
@@ -131,16 +137,22 @@ class Daemon:
         check_supported(self.backend)
         ckpt = Checkpoint.open(self.model_path)
         self.placement = placement.resolve(self.device)
-        if self.placement.store == "host":
-            _remove_dead_segments(self.device)
         t0 = time.perf_counter()
         rank = self.device if self.tensor_parallel > 1 else 0
+
+        def fp():
+            return fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend, device=self.placement.label,
+                                       rank=rank, tensor_parallel=self.tensor_parallel)
+
+        before = fp()
         with self.placement.default_device():
             plan, arrays = process(ckpt, dtype=self.dtype, backend=self.backend, where=self.placement, rank=rank,
                                    tensor_parallel=self.tensor_parallel)
-        self.fingerprint = fingerprint.compute(ckpt, dtype=self.dtype.name, backend=self.backend,
-                                               device=self.placement.label, rank=rank,
-                                               tensor_parallel=self.tensor_parallel)
+        self.fingerprint = fp()
+        moved = fingerprint.diff(before, self.fingerprint)
+        if moved:  # the fingerprint must describe the bytes we processed
+            raise WeightCacheError(f"{self.model_path} changed on disk while the daemon read it ({', '.join(moved)}); "
+                                   f"start the daemon again once the checkpoint is complete")
         self.family = ckpt.model_config.family
         self.plan = plan
         if self.placement.store == "cuda":
@@ -148,7 +160,10 @@ class Daemon:
 
             self.store, self.index = cuda_store.create(arrays, self.placement.ordinal)
         else:
-            self.store, self.index = host_store.create(arrays, f"mojwc_{os.getuid()}_{self.device}_{os.getpid()}")
+            name = host_store.new_name(self.device)
+            self.lock_info["segment"] = name  # named before it exists: a SIGKILL from here on leaves a trace
+            paths.write_lock_info(self.lock_fd, self.lock_info)
+            self.store, self.index = host_store.create(arrays, name)
         self.nbytes = sum(e["nbytes"] for e in self.index.values())
         # Encoded once: the plan is the bulk of every attach reply and never changes.
         self.attach_reply = protocol.encode({"ok": True, **self.store.fields, "family": self.family,
@@ -157,7 +172,8 @@ class Daemon:
         if len(self.attach_reply) > protocol.MAX_REPLY:
             raise WeightCacheError(f"the plan of {self.model_path} encodes to {len(self.attach_reply)} bytes, over "
                                    f"the protocol's {protocol.MAX_REPLY}-byte reply limit")
-        del arrays  # the store is the cache now
+        del arrays, plan, ckpt  # the store is the cache now
+        gc.collect()  # processing leaves reference cycles holding buffers as large as the cache
         log.info("processed %s in %.1f s: %d arrays, %d bytes in %s", self.model_path,
                  time.perf_counter() - t0, len(self.index), self.nbytes, self.store.where)
 
@@ -166,10 +182,13 @@ class Daemon:
         old = os.umask(0o177)  # the socket file is created 0600, never briefly wider
         try:
             listener.bind(self.socket_path)
+        except OSError as e:
+            listener.close()
+            raise paths.os_error(e, f"cannot create the weight-cache socket {self.socket_path}") from e
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)  # many clients start at once; they also retry a full backlog
         listener.settimeout(0.2)
         self.listener = listener
 
@@ -179,11 +198,18 @@ class Daemon:
                 conn, _ = self.listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                if self.stop_event.is_set():
+            except OSError as e:
+                if self.stop_event.is_set() or self.listener is None:
                     break
-                raise
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+                # EMFILE/ENFILE/ENOBUFS/ENOMEM/ECONNABORTED: this connection is lost, the daemon is not
+                log.warning("accept failed (%s); still serving", errno.errorcode.get(e.errno, e))
+                time.sleep(0.05)
+                continue
+            try:
+                threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except RuntimeError:  # cannot start a thread: drop this connection, keep serving
+                log.warning("cannot start a thread for a connection; dropped it")
+                conn.close()
 
     def shutdown(self) -> None:
         self.stop_event.set()
@@ -215,7 +241,7 @@ class Daemon:
                     return
                 while not self.stop_event.is_set():
                     try:
-                        request = protocol.recv(conn, timeout=60.0)
+                        request = protocol.recv(conn, timeout=self.message_timeout)
                     except EOFError:
                         return
                     reply = self._reply(request)
@@ -256,10 +282,10 @@ class Daemon:
 
 
 def serve(model_path, *, device: int = 0, socket_dir=None, dtype="bfloat16", backend: str = "auto",
-          tensor_parallel: int = 1, ready=None) -> None:
+          tensor_parallel: int = 1, message_timeout: float = MESSAGE_TIMEOUT, ready=None) -> None:
     """Runs a daemon until ``stop`` or SIGTERM/SIGINT; cleans up segment, socket and lock on the way out."""
     daemon = Daemon(model_path, device=device, socket_dir=socket_dir, dtype=dtype, backend=backend,
-                    tensor_parallel=tensor_parallel)
+                    tensor_parallel=tensor_parallel, message_timeout=message_timeout)
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,66 @@
+"""The weight-cache daemon as a test subprocess (shared by the weight-cache test files)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from modelopt_jax.errors import WeightCacheError
+from modelopt_jax.weight_cache.client import request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+class DaemonProcess:
+    """``python -m modelopt_jax weight-cache serve`` as a subprocess; ``prefix`` runs it under a
+    wrapper (``unshare --pid --fork``), where its pid is not ``proc.pid``."""
+
+    def __init__(self, model, socket_dir, *, dtype="float32", device=0, env=None, wait=True, tp=1, prefix=(),
+                 extra=()):
+        self.dir = str(socket_dir)
+        self.device = device
+        self.sock = os.path.join(self.dir, f"device-{device}.sock")
+        self.prefix = tuple(prefix)
+        cmd = [*self.prefix, sys.executable, "-m", "modelopt_jax", "weight-cache", "serve", "--model", str(model),
+               "--dtype", dtype, "--device", str(device), "--socket-dir", self.dir, "--tensor-parallel", str(tp),
+               *extra]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.proc.kill()  # never leave an orphaned daemon behind a failed test
+                self.proc.wait()
+                raise
+
+    def wait_ready(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:  # a stale socket of a killed daemon may exist: wait until *this* one answers
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                reply = request("status", socket_dir=self.dir, device=self.device, timeout=5)
+                if reply.get("pid") == self.proc.pid or (self.prefix and reply.get("ok")):
+                    return
+            except WeightCacheError:
+                pass
+            assert time.monotonic() < deadline, "daemon did not open its socket"
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                if not request("stop", socket_dir=self.dir, device=self.device).get("ok"):
+                    self.proc.terminate()  # e.g. the uid test: SIGTERM must clean up as well
+            except WeightCacheError:
+                self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read()
