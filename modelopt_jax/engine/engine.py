@@ -22,6 +22,9 @@ from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
 
 
+CPU_DEFAULT_SEQS = 8  # full-length sequences the default CPU pool holds (see pool_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine uses memory and batches work (vLLM's names where they exist)."""
@@ -58,8 +61,10 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
 
     GPU: ``fraction * bytes_limit - bytes_in_use`` (the weights and compiled programs are already
     there) minus a reserve for a step's activations (5% of the device, at least 1 GiB). Elsewhere
-    (no allocator statistics): room for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
-    capped at ``fraction`` of a quarter of the host's memory.
+    (no allocator statistics, i.e. the CPU): room for ``CPU_DEFAULT_SEQS`` sequences of
+    ``max_model_len`` tokens, capped at ``fraction`` of a quarter of the host's memory -- small,
+    because XLA:CPU copies a layer's whole pool on every cache write (a 1 GB pool cost 0.7 s per
+    decode step of the demo model; 20 MB, 6 ms).
     """
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
@@ -70,7 +75,8 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
         reserve = max(1 << 30, limit // 20)
         per_device = int(config.kv_cache_memory_fraction * limit) - used - reserve
         return max(0, per_device) * model.tensor_parallel_size
-    want = page_bytes(model, config.page_size) * (-(-max_model_len // config.page_size)) * config.max_num_seqs
+    want = page_bytes(model, config.page_size) * (-(-max_model_len // config.page_size)) * \
+        min(config.max_num_seqs, CPU_DEFAULT_SEQS)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
 

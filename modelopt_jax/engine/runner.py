@@ -65,9 +65,13 @@ class Runner:
 
     def step(self, batch: list[tuple[Request, int]]) -> StepResult:
         """Runs one step for ``batch`` rows of (request, tokens to feed)."""
-        rows = bucket(len(batch))
-        width = 1 if all(n == 1 for _, n in batch) else bucket(max(n for _, n in batch), 16)
-        pages = bucket(max(len(r.pages) for r, _ in batch))
+        # Coarse buckets keep the number of compiled programs small (each is a whole-model compile):
+        # decode rows in powers of two from 8 (a GEMM costs the same for M 1..8), block tables in
+        # powers of two from 8 pages.
+        decode = all(n == 1 for _, n in batch)
+        rows = bucket(len(batch), 8 if decode else 1)
+        width = 1 if decode else bucket(max(n for _, n in batch), 16)
+        pages = bucket(max(len(r.pages) for r, _ in batch), 8)
         page = self.page_size
         ids = np.full((rows, width), self.pad_id, np.int32)
         positions = np.zeros((rows, width), np.int32)

@@ -1,0 +1,122 @@
+"""Engine benchmark: ``LLM.generate`` itself, with its defaults, on realistic prompt counts and lengths.
+
+Run on the H200 (not a test):
+    python bench/serve.py --checkpoint DIR [--write-preset llama3-8b] [--workloads a,b,c] [--json out.json]
+
+``--write-preset`` first writes a synthetic ModelOpt FP8 checkpoint (``modelopt_jax.synthetic``,
+unequal shard scales as real exports have) into DIR if it holds none. Workloads (issue 12):
+(a) 64 prompts x 1024 tokens, 128 new; (b) 1000 prompts, lengths uniform 64-1024, max_tokens
+uniform 32-512, seeded; (c) batch-1 decode latency at 1024 and 4096 tokens of context. Greedy,
+``ignore_eos``. Each workload runs twice in one process: the first run compiles, the second is
+reported. Reports generated tok/s, time to first token, ms per decode step, preemptions, peak
+device memory, and a decode step against its roofline ((weight bytes + KV bytes of the context)
+/ 4.3 TB/s measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from modelopt_jax import LLM, SamplingParams  # noqa: E402
+
+COPY_BANDWIDTH = 4.3e12
+PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256),
+           "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512)}  # a smoke test of this script on a CPU
+
+
+def workload(name: str, vocab: int):
+    rng = np.random.default_rng(0)
+    if name == "a":
+        prompts = [rng.integers(10, vocab, 1024).tolist() for _ in range(64)]
+        return prompts, [SamplingParams(max_tokens=128, ignore_eos=True)] * 64
+    if name == "b":
+        prompts = [rng.integers(10, vocab, int(rng.integers(64, 1025))).tolist() for _ in range(1000)]
+        return prompts, [SamplingParams(max_tokens=int(rng.integers(32, 513)), ignore_eos=True) for _ in prompts]
+    raise ValueError(name)
+
+
+def weight_bytes(model) -> int:
+    from flax import nnx
+
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))) - \
+        model.embed_tokens.table[...].nbytes
+
+
+def kv_bytes_per_token(model) -> int:
+    from modelopt_jax.engine.engine import page_bytes
+
+    return page_bytes(model, 1)
+
+
+def run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, dict(llm.last_stats)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--write-preset")
+    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.write_preset and not os.path.exists(os.path.join(args.checkpoint, "config.json")):
+        from modelopt_jax.synthetic import write_checkpoint
+
+        t = time.perf_counter()
+        write_checkpoint(args.checkpoint, family="llama", max_shard_bytes=5 << 30, **PRESETS[args.write_preset])
+        print(f"wrote {args.checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
+    dev = jax.devices()[0]
+    llm = LLM(args.checkpoint)  # every default: max_model_len 4096, kv_cache_memory_fraction 0.9, ...
+    model = llm.model
+    wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
+    print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
+          f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
+          f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
+    report = {"device": dev.device_kind, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {}}
+    for name in args.workloads.split(","):
+        if name == "c":
+            for context in (1024, 4096):
+                prompt = np.random.default_rng(1).integers(10, model.config.vocab_size, context - 64).tolist()
+                p = SamplingParams(max_tokens=64, ignore_eos=True)
+                run(llm, prompt, p)
+                _, st = run(llm, prompt, p)
+                ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
+                roof = 1e3 * (wb + context * kvt) / COPY_BANDWIDTH
+                report["runs"][f"c{context}"] = {**st, "ms_per_decode_step": ms, "roofline_ms": roof}
+                print(f"(c) batch 1, {context} context: {ms:.2f} ms/step (roofline {roof:.2f} ms, {ms / roof:.2f}x)",
+                      flush=True)
+            continue
+        prompts, params = workload(name, model.config.vocab_size)
+        t = time.perf_counter()
+        run(llm, prompts, params)
+        first = time.perf_counter() - t
+        _, st = run(llm, prompts, params)
+        ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
+        report["runs"][name] = {**st, "first_run_s": first, "ms_per_decode_step": ms}
+        print(f"({name}) {len(prompts)} prompts: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
+              f"{st['generated_tokens_per_s']:.0f} generated tok/s (first run incl. compile {first:.1f} s); "
+              f"first token {st['first_token_s']:.2f} s; {st['decode_steps']} decode steps at {ms:.2f} ms, "
+              f"{st['prefill_steps']} prefill steps {st['prefill_s']:.2f} s; preemptions {st['preemptions']}, "
+              f"max running {st['max_running']}", flush=True)
+    stats = dev.memory_stats() or {}
+    report["peak_bytes"] = stats.get("peak_bytes_in_use")
+    print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "
+          f"(limit {(stats.get('bytes_limit') or 0) / 1e9:.1f} GB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
