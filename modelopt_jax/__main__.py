@@ -36,10 +36,10 @@ def _generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     (out,) = llm.generate([prompt], params)
     stats = llm.last_stats
-    progress(f"[generate] {stats['prompt_tokens']} prompt tokens, {len(out.token_ids)} new tokens in "
-             f"{stats['total_s']:.2f} s (first call includes compilation; first token after "
-             f"{stats['first_token_s']:.2f} s; {stats['decode_steps']} decode steps in {stats['decode_s']:.2f} s, "
-             f"finish: {out.finish_reason})")
+    decode_rate = stats["decode_steps"] / stats["decode_s"] if stats["decode_s"] else float("nan")
+    progress(f"[generate] {stats['prompt_tokens']} prompt tokens -> {len(out.token_ids)} new tokens in "
+             f"{stats['total_s']:.2f} s (first call: includes compilation); first token after "
+             f"{stats['first_token_s']:.2f} s, then {decode_rate:.1f} tokens/s (finish: {out.finish_reason})")
     print((args.prompt if not args.ids else "") + (out.text if out.text is not None else str(out.token_ids)))
     return 0
 

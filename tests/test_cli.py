@@ -45,7 +45,7 @@ def test_generate_on_the_demo_subprocess():
     assert run.returncode == 0, run.stderr
     text = run.stdout.strip()
     assert text.startswith("It is a truth") and len(text) > len("It is a truth") + 5
-    for stage in ("[load] done", "[prefill]", "[decode] 12 tokens", "tokens/s", "quant_algo   FP8"):
+    for stage in ("[load] done", "[generate]", "-> 12 new tokens", "tokens/s", "quant_algo   FP8"):
         assert stage in run.stderr, stage
 
 

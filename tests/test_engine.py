@@ -167,8 +167,10 @@ def _many(n, seed):
 
 
 def _small_and_big(name, pages):
-    big = _llm(name, max_model_len=64, max_num_seqs=256)
-    return _llm(name, max_model_len=64, kv_cache_bytes=(pages + 1) * _page_bytes(big), max_num_seqs=256), big
+    """A pool of ``pages`` usable pages, and one roomy enough to run 256 requests of 64 tokens at once."""
+    small = _llm(name, max_model_len=64, kv_cache_bytes=(pages + 1) * _page_bytes(_llm(name)), max_num_seqs=256)
+    big = _llm(name, max_model_len=64, kv_cache_bytes=(256 * 4 + 1) * _page_bytes(small), max_num_seqs=256)
+    return small, big
 
 
 @pytest.mark.slow
