@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from modelopt_jax.dtypes import COMPUTE_DTYPES, kv_cache_dtype_name
-from modelopt_jax.ops.quantize import dequantize_static, quantize_static
+from modelopt_jax.ops.quantize import dequantize_static, fake_quantize_static, quantize_static
 
 FP8 = "float8_e4m3fn"
 
@@ -44,8 +44,7 @@ class LayerKVSpec:
         """k, v as the cache would give them back (the cache-less forward's view of the cache)."""
         if not self.is_fp8:
             return k, v
-        return (dequantize_static(quantize_static(k, self.k_scale), self.k_scale, k.dtype),
-                dequantize_static(quantize_static(v, self.v_scale), self.v_scale, v.dtype))
+        return fake_quantize_static(k, self.k_scale), fake_quantize_static(v, self.v_scale)
 
     def buffers(self, shape, sharding=None) -> tuple["KVBuffer", "KVBuffer"]:
         zeros = lambda: jnp.zeros(shape, jnp.dtype(self.dtype), device=sharding)  # noqa: E731
@@ -100,31 +99,33 @@ class KVBuffer:
     data: jax.Array               # [batch, max_len, kv_heads, head_dim]
     scale: float | None = None    # FP8 codes: value = code * scale
 
+    def _encode(self, x: jax.Array) -> jax.Array:
+        """What is stored for values ``x``: FP8 codes (quantize on write) or the storage dtype."""
+        return quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
+
+    def _decode(self, stored: jax.Array, dtype) -> jax.Array:
+        """Values of stored entries in ``dtype`` (code * scale for FP8: dequantize on read)."""
+        return dequantize_static(stored, self.scale, dtype) if self.scale is not None else stored.astype(dtype)
+
     def write(self, rows: jax.Array, positions: jax.Array, x: jax.Array) -> "KVBuffer":
         """``x`` [B, T, kv_heads, head_dim] stored at ``positions`` [B, T] of each row (quantized if FP8)."""
-        stored = quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
-        return KVBuffer(self.data.at[rows, positions].set(stored), self.scale)
+        return KVBuffer(self.data.at[rows, positions].set(self._encode(x)), self.scale)
 
     def read(self, dtype) -> jax.Array:
-        if self.scale is not None:
-            return dequantize_static(self.data, self.scale, dtype)
-        return self.data.astype(dtype)
+        return self._decode(self.data, dtype)
 
     # paged storage: ``data`` is [slots, kv_heads, head_dim], slot = page * page_size + offset
     def write_slots(self, slots: jax.Array, x: jax.Array) -> "KVBuffer":
-        """``x`` [N, kv_heads, head_dim] stored at ``slots`` [N] (quantized if FP8)."""
-        stored = quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
+        """``x`` [N, kv_heads, head_dim] stored at ``slots`` [N] (quantized if FP8).
 
-        # In place on GPU when the pool is donated. XLA:CPU copies a scatter's whole operand (~20 ms
-        # per 268 MB layer pool here), which is why the engine's default pool on CPU is small.
-        return KVBuffer(self.data.at[slots].set(stored), self.scale)
+        In place on GPU when the pool is donated. XLA:CPU copies a scatter's whole operand (~20 ms
+        per 268 MB layer pool here), which is why the engine's default pool on CPU is small.
+        """
+        return KVBuffer(self.data.at[slots].set(self._encode(x)), self.scale)
 
     def read_slots(self, slots: jax.Array, dtype) -> jax.Array:
         """The values at ``slots`` (any shape S) -> S + [kv_heads, head_dim] in ``dtype``."""
-        gathered = self.data[slots]
-        if self.scale is not None:
-            return dequantize_static(gathered, self.scale, dtype)
-        return gathered.astype(dtype)
+        return self._decode(self.data[slots], dtype)
 
     # array-like views, for inspection
     @property

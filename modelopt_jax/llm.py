@@ -102,12 +102,16 @@ class LLM:
         if not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
                              f"(the model's max_position_embeddings)")
-        self.kv_cache_dtype = kv_cache_dtype
         self.tokenizer = self._load_tokenizer(tokenizer)
         self.eos_token_ids = eos_ids(self.path)
         self.engine = Engine(self.model, max_model_len=self.max_model_len, config=engine_config,
                              pad_id=self.model.config.pad_token_id or 0)
         self.last_stats: dict[str, float] = {}
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What was asked for (``model.kv_cache`` says what it resolved to)."""
+        return self.model.kv_cache.requested
 
     def _load_tokenizer(self, tokenizer):
         path = os.fspath(tokenizer) if tokenizer is not None else os.path.join(self.path, "tokenizer.json")

@@ -89,6 +89,10 @@ class Attention(nnx.Module):
         """This layer's (keys, values) buffers; ``shards`` devices each hold this layer's KV heads."""
         return self.kv.buffers((batch, max_len, self.num_kv_heads * shards, self.head_dim), sharding)
 
+    def init_paged_cache(self, slots: int, *, shards: int = 1, sharding=None):
+        """This layer's (keys, values) page pools of ``slots`` token slots (pages x page size)."""
+        return self.kv.buffers((slots, self.num_kv_heads * shards, self.head_dim), sharding)
+
     def cached(self, x, positions, keys, values):
         """Writes this step's k/v at ``positions`` [B,T] and attends over the cache up to each position."""
         q, k, v = self.project_qkv(x, positions)
@@ -259,8 +263,8 @@ class CausalLM(nnx.Module):
         """A zeroed page pool: ``num_pages`` pages (page 0 is scratch) of ``page_size`` tokens per layer."""
         shards = self.tensor_parallel_size
         sharding = None if self.mesh is None else parallel.paged_cache_sharding(self.mesh)
-        pairs = [layer.self_attn.kv.buffers((num_pages * page_size, layer.self_attn.num_kv_heads * shards,
-                                             layer.self_attn.head_dim), sharding) for layer in self.layers]
+        pairs = [layer.self_attn.init_paged_cache(num_pages * page_size, shards=shards, sharding=sharding)
+                 for layer in self.layers]
         return PagedKVCache([k for k, _ in pairs], [v for _, v in pairs], page_size)
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,

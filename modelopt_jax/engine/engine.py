@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from modelopt_jax.engine.pages import PagePool
-from modelopt_jax.engine.request import Request, RequestOutput
+from modelopt_jax.engine.request import Request, RequestOutput, logprob_entry
 from modelopt_jax.engine.runner import Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
@@ -130,8 +130,8 @@ class Engine:
                         for t in range(n):
                             p = r.computed + t + 1
                             if p < len(r.prompt_ids):
-                                r.prompt_logprobs[p] = _entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
-                                                              r.params.prompt_logprobs)
+                                r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
+                                                                     r.params.prompt_logprobs)
                     r.computed += n
                     if r.pending == 0:  # the whole sequence is in the cache: this row sampled a token
                         r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row],
@@ -153,12 +153,6 @@ class Engine:
                            "num_pages": self.pool.num_pages,
                            "free_pages_after": self.pool.free}
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
-
-
-def _entry(token, chosen, top_v, top_i, k):
-    from modelopt_jax.engine.request import logprob_entry
-
-    return logprob_entry(int(token), chosen, top_v, top_i, k)
 
 
 def _progress(total: int, enabled: bool):

@@ -21,11 +21,6 @@ class PagePool:
     def free(self) -> int:
         return len(self._free)
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens one sequence could hold if it had every usable page."""
-        return (self.num_pages - 1) * self.page_size
-
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

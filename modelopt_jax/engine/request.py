@@ -54,7 +54,6 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0
     finish_reason: str | None = None
-    preemptions: int = 0
 
     @property
     def length(self) -> int:

@@ -44,7 +44,6 @@ class Scheduler:
         self.running.remove(victim)
         self.pool.release(victim.pages)
         victim.computed = 0
-        victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
 
