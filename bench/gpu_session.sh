@@ -2,7 +2,8 @@
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...] [wc-tests] [tp-tests]
-#                             [attach CKPT_DIR] [tp-bench CKPT_DIR]
+#                             [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
+#                             [serve CKPT_DIR WORKLOADS]
 # attach / tp-bench write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first if absent.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
@@ -45,6 +46,14 @@ print('memcheck sample done')
       [ -f "$ckpt/config.json" ] || python3 -c "from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30)"
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
+    attn-tests) shift
+      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_engine.py \
+        2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
+    attn-bench) shift
+      python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    serve) ckpt=$2; workloads=$3; shift 3
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
+        --workloads "$workloads" --json "$OUT/serve_$workloads.json" 2>&1 | tee "$OUT/serve_$workloads.log" | tail -30 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

@@ -105,12 +105,17 @@ def main():
         if not args.once:
             _, st = run(llm, prompts, params)
         ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
-        report["runs"][name] = {**st, "first_run_s": first, "ms_per_decode_step": ms}
+        # decode-only steps of (a) run at batch 64 over 1024..1152 tokens: roofline at the mean context
+        roof = 1e3 * (wb + len(prompts) * (1024 + 64) * kvt) / COPY_BANDWIDTH if name == "a" else None
+        report["runs"][name] = {**st, "first_run_s": first, "ms_per_decode_step": ms, "roofline_ms": roof,
+                                "programs": len(llm.engine.runner.shapes)}
+        compiled = "compilation included" if args.once else f"first run incl. compile {first:.1f} s"
         print(f"({name}) {len(prompts)} prompts: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
-              f"{st['generated_tokens_per_s']:.0f} generated tok/s ({"compilation included" if args.once else f"first run incl. compile {first:.1f} s"}); "
+              f"{st['generated_tokens_per_s']:.0f} generated tok/s ({compiled}); "
               f"first token {st['first_token_s']:.2f} s; {st['decode_steps']} decode steps at {ms:.2f} ms, "
               f"{st['prefill_steps']} prefill steps {st['prefill_s']:.2f} s; preemptions {st['preemptions']}, "
-              f"max running {st['max_running']}", flush=True)
+              f"max running {st['max_running']}; {len(llm.engine.runner.shapes)} step shapes compiled"
+              + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else ""), flush=True)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "

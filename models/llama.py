@@ -31,6 +31,7 @@ from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
 from modelopt_jax.layers import Embedding, RMSNorm
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
+from modelopt_jax.ops.attention import causal_attention, paged_attention
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
 from modelopt_jax.quant.schemes import SCHEMES, LinearSpec
 
@@ -42,20 +43,6 @@ class TensorSpec:
     path: str                      # parameter path in the model state, e.g. "layers.0.input_layernorm.weight"
     name: str                      # checkpoint tensor name
     shape: tuple[int, ...]
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention with GQA. q [B,T,H,D], k/v [B,S,KV,D], mask [B,1,T,S] (True = attend)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * np.float32(d ** -0.5)
-    # A finite floor (not -inf) keeps fully masked rows (left padding) finite instead of NaN.
-    scores = jnp.where(mask[:, :, None], scores, np.float32(np.finfo(np.float32).min))
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h * d).astype(v.dtype)
 
 
 class Attention(nnx.Module):
@@ -104,21 +91,20 @@ class Attention(nnx.Module):
         return self.o_proj(out), keys, values
 
 
-    def paged(self, x, positions, keys, values, slots, context_slots):
-        """Paged cache: writes this step's k/v at ``slots`` [B,T] and attends over ``context_slots`` [B,S].
+    def packed(self, x, positions, keys, values, step: "PackedStep"):
+        """One packed step over the page pool: x [1, T, hidden] of tokens from many sequences.
 
-        ``context_slots[b, s]`` is the slot of sequence b's position s, so key s is visible to a
-        query at position p exactly when s <= p (the same mask as the dense cache). Only the pages
-        in the block tables are read.
+        Writes each token's k/v at ``step.slots`` and lets it attend over its own sequence's pages
+        (``step.block_tables[step.token_rows[t]]``) up to its position: prompt chunks and decode
+        tokens alike. Only the pages in the block tables are read.
         """
-        q, k, v = self.project_qkv(x, positions)
-        b, t = slots.shape
-        keys = keys.write_slots(slots.reshape(b * t), k.reshape(b * t, *k.shape[2:]))
-        values = values.write_slots(slots.reshape(b * t), v.reshape(b * t, *v.shape[2:]))
-        mask = (jnp.arange(context_slots.shape[1])[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
-        out = causal_attention(q, keys.read_slots(context_slots, self.dtype), values.read_slots(context_slots, self.dtype),
-                               mask)
-        return self.o_proj(out), keys, values
+        q, k, v = self.project_qkv(x, positions[None])
+        keys = keys.write_slots(step.slots, k[0])
+        values = values.write_slots(step.slots, v[0])
+        out = paged_attention(q[0], keys.data, values.data, k_scale=keys.scale, v_scale=values.scale,
+                              page_size=step.page_size, token_rows=step.token_rows, positions=positions,
+                              block_tables=step.block_tables, dtype=self.dtype)
+        return self.o_proj(out[None]), keys, values
 
 
 class MLP(nnx.Module):
@@ -152,11 +138,25 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
-    def paged(self, x, positions, keys, values, slots, context_slots):
-        attn, keys, values = self.self_attn.paged(self.input_layernorm(x), positions, keys, values, slots,
-                                                  context_slots)
+    def packed(self, x, positions, keys, values, step):
+        attn, keys, values = self.self_attn.packed(self.input_layernorm(x), positions, keys, values, step)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStep:
+    """Where a packed step's tokens go and what they read (all int32 device arrays).
+
+    ``slots`` [T]: each token's slot in the pool (its key/value is written there);
+    ``token_rows`` [T]: which row of ``block_tables`` [R, W] is the token's sequence. Padding tokens
+    write to the scratch page 0 and belong to any row; their outputs are ignored.
+    """
+
+    slots: jax.Array
+    token_rows: jax.Array
+    block_tables: jax.Array
+    page_size: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -267,36 +267,52 @@ class CausalLM(nnx.Module):
                  for layer in self.layers]
         return PagedKVCache([k for k, _ in pairs], [v for _, v in pairs], page_size)
 
-    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
-                      block_tables: jax.Array, logit_positions: jax.Array | None = None):
-        """Forward over a page pool: ``(ids [B,T], positions [B,T], cache, slots [B,T], block_tables
-        [B,P]) -> (logits, cache)``.
+    def forward_packed(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
+                       token_rows: jax.Array, block_tables: jax.Array, logit_index: jax.Array | None = None):
+        """Forward over a page pool for tokens of many sequences packed into one row (the engine's step).
 
-        Token t of row b is at ``positions[b, t]`` and its key/value go to ``slots[b, t]``; row b's
-        context is the pages ``block_tables[b]`` (unused entries 0, the scratch page, masked out by
-        position). ``logit_positions`` [B] computes logits for one token per row. Pure and
-        jit-compatible; donate ``cache``.
+        ``input_ids``, ``positions``, ``slots``, ``token_rows``: [T]; ``block_tables`` [R, W]. Token t
+        is sequence ``token_rows[t]``'s token at ``positions[t]``; its key/value go to ``slots[t]``
+        (``block_table[p // page] * page + p % page``) and it attends over its sequence's positions
+        0..positions[t]. Returns ``(logits, cache)``: logits [T, vocab], or [len(logit_index), vocab]
+        for the tokens ``logit_index`` names (each row's last). Pure and jit-compatible; donate ``cache``.
         """
-        args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(block_tables))
-        if logit_positions is not None:
-            args += (jnp.asarray(logit_positions),)
+        args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(token_rows),
+                jnp.asarray(block_tables))
+        if logit_index is not None:
+            args += (jnp.asarray(logit_index),)
         if self.mesh is None:
-            return self._forward_paged(*args)
+            return self._forward_packed(*args)
         cache_specs = jax.tree.map(lambda _: parallel.PAGED_CACHE_SPEC, cache)
-        specs = (P(), P(), cache_specs, P(), P()) + ((P(),) if logit_positions is not None else ())
-        return parallel.run_sharded(self, CausalLM._forward_paged, self.mesh, args, specs, (P(), cache_specs))
+        specs = (P(), P(), cache_specs, P(), P(), P()) + ((P(),) if logit_index is not None else ())
+        return parallel.run_sharded(self, CausalLM._forward_packed, self.mesh, args, specs, (P(), cache_specs))
 
-    def _forward_paged(self, input_ids, positions, cache: PagedKVCache, slots, block_tables, logit_positions=None):
-        page = cache.page_size
-        context_slots = (block_tables[:, :, None] * page + jnp.arange(page, dtype=block_tables.dtype)).reshape(
-            block_tables.shape[0], -1)
-        x = self.embed_tokens(input_ids)
+    def _forward_packed(self, input_ids, positions, cache: PagedKVCache, slots, token_rows, block_tables,
+                        logit_index=None):
+        step = PackedStep(slots, token_rows, block_tables, cache.page_size)
+        x = self.embed_tokens(input_ids[None])
         keys, values = list(cache.keys), list(cache.values)
         for i, layer in enumerate(self.layers):
-            x, keys[i], values[i] = layer.paged(x, positions, keys[i], values[i], slots, context_slots)
-        if logit_positions is not None:
-            x = jnp.take_along_axis(x, logit_positions[:, None, None], axis=1)
-        return self.logits(self.norm(x)), PagedKVCache(keys, values, page)
+            x, keys[i], values[i] = layer.packed(x, positions, keys[i], values[i], step)
+        x = x[0]
+        if logit_index is not None:
+            x = x[logit_index]
+        return self.logits(self.norm(x)), PagedKVCache(keys, values, cache.page_size)
+
+    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
+                      block_tables: jax.Array, logit_positions: jax.Array | None = None):
+        """:meth:`forward_packed` for a [B, T] batch (row b is sequence b): ``(logits, cache)``.
+
+        ``input_ids``, ``positions``, ``slots`` [B, T], ``block_tables`` [B, W]. Logits [B, T, vocab],
+        or [B, 1, vocab] at ``logit_positions`` [B] (indices into T).
+        """
+        input_ids, positions, slots = jnp.asarray(input_ids), jnp.asarray(positions), jnp.asarray(slots)
+        b, t = input_ids.shape
+        rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+        index = None if logit_positions is None else jnp.arange(b) * t + jnp.asarray(logit_positions)
+        logits, cache = self.forward_packed(input_ids.reshape(-1), positions.reshape(-1), cache, slots.reshape(-1),
+                                            rows, block_tables, index)
+        return logits.reshape(b, -1, logits.shape[-1]), cache
 
 
 def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec], list[str]]:

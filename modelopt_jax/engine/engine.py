@@ -20,6 +20,7 @@ from modelopt_jax.engine.request import Request, RequestOutput, logprob_entry
 from modelopt_jax.engine.runner import Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
+from modelopt_jax.ops.attention import kernel_supports
 
 
 CPU_DEFAULT_SEQS = 8  # full-length sequences the default CPU pool holds (see pool_bytes)
@@ -81,6 +82,14 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
 
 
+def reads_only_used_pages(model) -> bool:
+    """Whether the model's attention runs the CUDA kernel, which reads only the pages in use."""
+    device = model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0]
+    attn = model.layers[0].self_attn
+    return device.platform == "gpu" and kernel_supports(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                        attn.kv.dtype, attn.dtype)
+
+
 class Engine:
     """Continuous batching over a paged KV cache for one model."""
 
@@ -96,7 +105,9 @@ class Engine:
                 f"needs ({need - 1} pages, {(need - 1) * page_bytes(model, config.page_size) / 2**20:.1f} MiB); "
                 f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
         self.pool = PagePool(num_pages, config.page_size)
-        self.runner = Runner(model, num_pages, config.page_size, pad_id)
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        self.runner = Runner(model, num_pages, config.page_size, pad_id,
+                             fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
         self.last_stats: dict[str, float] = {}
 
     def run(self, requests: list[Request], *, tokenizer=None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -126,7 +137,7 @@ class Engine:
                 steps += 1
                 for row, (r, n) in enumerate(batch):
                     if result.prompt is not None and r.params.prompt_logprobs is not None:
-                        chosen, top_v, top_i = (a[row] for a in result.prompt)
+                        chosen, top_v, top_i = result.prompt[row]
                         for t in range(n):
                             p = r.computed + t + 1
                             if p < len(r.prompt_ids):

@@ -30,70 +30,85 @@ class StepResult:
     chosen: np.ndarray                      # [B] its log-prob
     top_values: np.ndarray                  # [B, k]
     top_ids: np.ndarray                     # [B, k]
-    prompt: tuple[np.ndarray, ...] | None   # per-position (chosen, top values, top ids) when asked
+    prompt: list[tuple[np.ndarray, ...]] | None  # per row: its tokens' (chosen, top values, top ids)
 
 
 class Runner:
-    def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0):
+    """Runs packed steps: the rows' tokens side by side in one [T] vector, whatever mix of prompt
+    chunks and decode tokens they are.
+
+    ``fixed_table_width`` (pages): block tables always that wide -- right when attention reads
+    only the pages in use (the CUDA kernel), so the width costs nothing and never adds a program;
+    None buckets the width to the step's longest row (XLA's attention gathers the whole width).
+    """
+
+    def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0, fixed_table_width: int | None = None):
         from flax import nnx
 
         self.page_size = page_size
         self.pad_id = pad_id
+        self.fixed_table_width = fixed_table_width
         self.cache = model.init_paged_cache(num_pages, page_size)
         graphdef, self.state = nnx.split(model)
 
         def forward(state, *args):
-            return nnx.merge(graphdef, state).forward_paged(*args)
+            return nnx.merge(graphdef, state).forward_packed(*args)
 
         self._forward = forward
         self._step = jax.jit(self._step_fn, static_argnums=(0, 1), donate_argnums=(3,))
+        self.shapes: set[tuple[int, ...]] = set()  # (tokens, rows, table width, logprobs...) compiled so far
 
-    def _step_fn(self, num_logprobs, prompt_logprobs, state, cache, ids, positions, slots, block_tables, last,
-                 next_ids, temps, top_k, top_p, row_keys, counters):
+    def _step_fn(self, num_logprobs, prompt_logprobs, state, cache, ids, positions, slots, token_rows, block_tables,
+                 last, next_ids, temps, top_k, top_p, row_keys, counters):
         if prompt_logprobs is None:
-            logits, cache = self._forward(state, ids, positions, cache, slots, block_tables, last)
-            logits, prompt = logits[:, 0], None
+            logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables, last)
+            prompt = None
         else:
-            all_logits, cache = self._forward(state, ids, positions, cache, slots, block_tables)
-            logits = jnp.take_along_axis(all_logits, last[:, None, None], axis=1)[:, 0]
-            b, t, v = all_logits.shape
-            prompt = token_logprobs(all_logits.reshape(b * t, v), next_ids.reshape(b * t), prompt_logprobs)
-            prompt = jax.tree_util.tree_map(lambda a: a.reshape((b, t) + a.shape[1:]), prompt)
+            all_logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables)
+            logits = all_logits[last]
+            prompt = token_logprobs(all_logits, next_ids, prompt_logprobs)
         keys = jax.vmap(jax.random.fold_in)(row_keys, counters)
         tokens = sample(logits, temps, top_k, top_p, keys)
         return tokens, token_logprobs(logits, tokens, num_logprobs), prompt, cache
 
     def step(self, batch: list[tuple[Request, int]]) -> StepResult:
-        """Runs one step for ``batch`` rows of (request, tokens to feed)."""
-        # Coarse buckets keep the number of compiled programs small (each is a whole-model compile):
-        # decode rows in powers of two from 8 (a GEMM costs the same for M 1..8), block tables in
-        # powers of two from 8 pages.
-        decode = all(n == 1 for _, n in batch)
-        rows = bucket(len(batch), 8 if decode else 1)
-        width = 1 if decode else bucket(max(n for _, n in batch), 16)
-        pages = bucket(max(len(r.pages) for r, _ in batch), 8)
+        """Runs one step for ``batch`` rows of (request, tokens to feed).
+
+        Shapes are bucketed so a workload compiles a handful of programs (each a whole-model
+        compile): tokens and rows to powers of two (at least 16 and 8: a GEMM costs the same for
+        M 1..8), block tables to a power of two of pages (at least 8) unless fixed.
+        """
         page = self.page_size
-        ids = np.full((rows, width), self.pad_id, np.int32)
-        positions = np.zeros((rows, width), np.int32)
-        slots = np.zeros((rows, width), np.int32)  # padding writes go to the scratch page 0
-        tables = np.zeros((rows, pages), np.int32)
+        total = sum(n for _, n in batch)
+        tokens_b = bucket(total, 16)
+        rows = bucket(len(batch), 8)
+        longest = max(len(r.pages) for r, _ in batch)
+        width = self.fixed_table_width if self.fixed_table_width is not None else bucket(longest, 8)
+        ids = np.full(tokens_b, self.pad_id, np.int32)
+        positions = np.zeros(tokens_b, np.int32)
+        slots = np.zeros(tokens_b, np.int32)  # padding tokens write to the scratch page 0
+        token_rows = np.zeros(tokens_b, np.int32)
+        next_ids = np.zeros(tokens_b, np.int32)
+        tables = np.zeros((rows, width), np.int32)
         last = np.zeros(rows, np.int32)
-        next_ids = np.zeros((rows, width), np.int32)
         temps = np.zeros(rows, np.float32)
         top_k = np.full(rows, -1, np.int32)
         top_p = np.ones(rows, np.float32)
         row_keys = np.zeros((rows, 2), np.uint32)
         counters = np.zeros(rows, np.uint32)
         prompt_k = None
+        offset = 0
         for b, (r, n) in enumerate(batch):
             start = r.computed
             pos = np.arange(start, start + n)
-            ids[b, :n] = [r.token_at(p) for p in pos]
-            positions[b, :n] = pos
+            span = slice(offset, offset + n)
+            ids[span] = r.token_at(start) if n == 1 else [r.token_at(p) for p in pos]
+            positions[span] = pos
             table = np.asarray(r.pages, np.int32)
             tables[b, :len(table)] = table
-            slots[b, :n] = table[pos // page] * page + pos % page
-            last[b] = n - 1
+            slots[span] = table[pos // page] * page + pos % page
+            token_rows[span] = b
+            last[b] = offset + n - 1
             temps[b], top_k[b], top_p[b] = r.params.temperature, r.params.top_k, r.params.top_p
             row_keys[b] = r.row_key
             counters[b] = len(r.generated)
@@ -101,10 +116,15 @@ class Runner:
                 prompt_k = max(prompt_k or 0, r.params.prompt_logprobs)
                 nxt = pos + 1
                 inside = nxt < len(r.prompt_ids)
-                next_ids[b, :n][inside] = [r.prompt_ids[p] for p in nxt[inside]]
+                next_ids[span][inside] = [r.prompt_ids[p] for p in nxt[inside]]
+            offset += n
         num_logprobs = max((r.params.logprobs or 0) for r, _ in batch)
+        self.shapes.add((tokens_b, rows, width, num_logprobs, prompt_k))
         tokens, (chosen, top_v, top_i), prompt, self.cache = self._step(
-            num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, tables, last, next_ids, temps,
-            top_k, top_p, row_keys, counters)
+            num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, token_rows, tables, last, next_ids,
+            temps, top_k, top_p, row_keys, counters)
         tokens, chosen, top_v, top_i, prompt = jax.device_get((tokens, chosen, top_v, top_i, prompt))
+        if prompt is not None:  # per row: its tokens' (chosen, top values, top ids)
+            starts = np.concatenate([[0], np.cumsum([n for _, n in batch])])
+            prompt = [tuple(a[starts[b]:starts[b + 1]] for a in prompt) for b in range(len(batch))]
         return StepResult(tokens, chosen, top_v, top_i, prompt)

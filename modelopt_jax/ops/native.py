@@ -18,6 +18,8 @@ import warnings
 import jax
 
 TARGET = "modelopt_fp8_gemm"
+PAGED_DECODE_TARGET = "modelopt_paged_decode"
+PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output aliased to a NaN-filled operand
 CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
 CUDA_LIB = "libmodelopt_jax_ffi_cuda.so"
 
@@ -59,10 +61,16 @@ def cuda_library() -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        return _load(path, "ModeloptFp8GemmCuda", "CUDA")
+        lib = _load(path, "ModeloptFp8GemmCuda", "CUDA")
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
         warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
+    if hasattr(lib, "ModeloptPagedDecodeCuda"):  # absent from libraries built before the kernel existed
+        jax.ffi.register_ffi_target(PAGED_DECODE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeCuda),
+                                    platform="CUDA")
+        jax.ffi.register_ffi_target(PAGED_DECODE_POISONED_TARGET,
+                                    jax.ffi.pycapsule(lib.ModeloptPagedDecodeCudaPoisoned), platform="CUDA")
+    return lib
 
 
 @functools.cache
@@ -85,6 +93,11 @@ def has_cpu_handler() -> bool:
 
 def has_cuda_handler() -> bool:
     return cuda_library() is not None
+
+
+def has_paged_decode_kernel() -> bool:
+    lib = cuda_library()
+    return lib is not None and hasattr(lib, "ModeloptPagedDecodeCuda")
 
 
 def _major(major: int | None) -> int:

@@ -1,0 +1,104 @@
+"""Decode attention over a paged KV pool, one Llama-3-8B layer (32 q heads, 8 kv heads, d 128): peers
+side by side in one process (H200; not a test).
+
+    python bench/attention.py [--json out.json]
+
+Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages), the XLA path the
+engine runs without it (``backend="xla"``: gather the rows' pages, two einsums), and jax's Pallas GPU
+``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
+over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
+distinct pools per call so nothing stays in L2), and the bandwidth of the KV bytes actually used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_jax  # noqa: E402
+
+from modelopt_jax.ops.attention import paged_attention  # noqa: E402
+
+HEADS, KV, D, PAGE = 32, 8, 128, 16
+SHAPES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 512), (256, 1024)]
+POOLS = 3  # distinct pools per timed program
+
+
+def make(batch, context, dtype, seed):
+    rng = np.random.default_rng(seed)
+    pages = -(-context // PAGE)
+    total = batch * pages + 1
+    tables = (1 + rng.permutation(total - 1)).reshape(batch, pages).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((batch, HEADS, D)), jnp.bfloat16)
+    pools = []
+    for i in range(POOLS):
+        k = jax.random.normal(jax.random.key(seed * 10 + i), (total * PAGE, KV, D), jnp.float32)
+        pools.append((k.astype(dtype), (k * 0.5).astype(dtype)))
+    return q, pools, jnp.asarray(tables), jnp.full((batch,), context - 1, jnp.int32)
+
+
+def ours(q, pool, tables, positions, backend, fp8):
+    k, v = pool
+    scale = 0.02 if fp8 else None
+    return paged_attention(q, k, v, k_scale=scale, v_scale=scale, page_size=PAGE,
+                           token_rows=jnp.arange(q.shape[0], dtype=jnp.int32), positions=positions,
+                           block_tables=tables, dtype=jnp.bfloat16, backend=backend)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; one layer: {HEADS} heads, {KV} kv heads, d {D}, "
+          f"page {PAGE}; us per call (TB/s of the KV bytes in use)")
+    rows = []
+    for batch, context in SHAPES:
+        line = {"batch": batch, "context": context}
+        for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+            q, pools, tables, positions = make(batch, context, dtype, batch + context)
+            kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
+            peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
+                     "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
+            if name == "bf16":
+                # pallas pages are [KV, pages, page, D]: transposed outside the timed program
+                ppools = [tuple(x.reshape(-1, PAGE, KV, D).transpose(2, 0, 1, 3) for x in p) for p in pools]
+                for ks in (1, 4, 16):
+                    peers[f"pallas_k{ks}"] = (lambda ks: lambda x, w: _pallas_pretransposed(x, w, tables, positions,
+                                                                                            ks))(ks), ppools
+            for peer, fn in peers.items():
+                fn, ws = (fn if isinstance(fn, tuple) else (fn, pools))
+                try:
+                    s = time_jax(fn, [q] * len(ws), ws)
+                    line[f"{name}_{peer}_us"] = s * 1e6
+                    line[f"{name}_{peer}_tbs"] = kv_bytes / s / 1e12
+                except Exception as e:  # a peer that cannot run this shape is reported, not fatal
+                    line[f"{name}_{peer}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            del pools
+        rows.append(line)
+        cells = [f"{k[:-3]} {v:.0f} ({line[k[:-3] + '_tbs']:.2f})" for k, v in line.items() if k.endswith("_us")]
+        print(f"batch {batch:4d} x {context:5d}: " + "; ".join(cells), flush=True)
+        for k, v in line.items():
+            if k.endswith("_error"):
+                print(f"    {k}: {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _pallas_pretransposed(q, pages, tables, positions, k_splits):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged
+
+    k, v = pages
+    return pallas_paged(q, k, v, tables, positions + 1, k_splits=k_splits, pages_per_compute_block=8)
+
+
+if __name__ == "__main__":
+    main()

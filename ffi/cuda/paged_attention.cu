@@ -1,0 +1,390 @@
+// XLA FFI handler of the modelopt_paged_decode op: one query token per sequence attends over that
+// sequence's pages of a paged KV cache, reading only the pages in use (FlashDecoding-style).
+//
+// Why a kernel: XLA's version gathers every row's block table into a dense [B, pages*page, kv, d]
+// copy and then runs two einsums over it -- three passes over the KV bytes and padding to the
+// longest row. Here each CTA streams its share of one (sequence, kv head)'s pages once, scores all
+// the GQA query heads of that kv head against each key as it arrives (online softmax), and, when
+// the context is split across CTAs for parallelism, a second small kernel merges the partials.
+//
+// Layout (the engine's pool, modelopt_jax.kv_cache.PagedKVCache): keys/values [slots, kv_heads, d],
+// slot = block_table[b, p // page] * page + p % page. FP8 pages hold e4m3 codes; a value is
+// code * scale, rounded to the model's compute dtype (`value_round`), the same numbers XLA's path
+// reads. q is float32 [B, heads, d]; the output float32 [B, heads, d].
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace modelopt_jax::cuda {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int kWarps = 4;
+constexpr int kElems = 8;    // elements of a key/value row per lane (16 B of bf16, 8 B of fp8)
+constexpr int kUnroll = 4;   // token groups whose loads a warp issues before using them
+constexpr float kFloor = -1e30f;  // running max's start: finite, so exp(floor - floor) is 1, never NaN
+
+enum class Round : int32_t { kNone = 0, kBF16 = 1, kF16 = 2 };
+
+struct Params {
+  const float* q;          // [B, H, D]
+  const void* k;           // [slots, KV, D]
+  const void* v;
+  const int32_t* tables;   // [B, W]
+  const int32_t* lengths;  // [B]
+  float* out;              // [B, H, D]
+  float* part_o;           // [B, KV, S, G, D]
+  float* part_ml;          // [B, KV, S, G, 2]
+  int kv_heads, table_width, page, splits;
+  float k_scale, v_scale, softmax_scale;
+  Round round;
+};
+
+template <typename T>
+struct Vec;  // kElems stored values of a row, as loaded
+template <>
+struct Vec<__nv_bfloat16> {
+  using type = uint4;
+  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __bfloat1622float2(h[i]);
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+};
+template <>
+struct Vec<__half> {
+  using type = uint4;
+  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = __half22float2(h[i]);
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+};
+template <>
+struct Vec<__nv_fp8_e4m3> {
+  using type = uint2;
+  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+    const __nv_fp8x2_storage_t* c = reinterpret_cast<const __nv_fp8x2_storage_t*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c[i], __NV_E4M3);  // exact: e4m3 is a subset of f16
+      float2 x = __half22float2(*reinterpret_cast<__half2*>(&h));
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+};
+
+__device__ __forceinline__ float RoundTo(float x, Round r) {
+  if (r == Round::kBF16) return __bfloat162float(__float2bfloat16_rn(x));
+  if (r == Round::kF16) return __half2float(__float2half_rn(x));
+  return x;
+}
+
+// Values of one row slice: stored -> float, times the FP8 scale and rounded as XLA's path reads them.
+template <typename T, bool kScaled>
+__device__ __forceinline__ void Decode(const typename Vec<T>::type& raw, float scale, Round round, float* f) {
+  Vec<T>::to_float(raw, f);
+  if (kScaled) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) f[i] = RoundTo(f[i] * scale, round);
+  }
+}
+
+// grid (splits, KV, B), kWarps warps. Lanes come in groups of kLanes (= D / kElems) that together
+// hold one token's row; a warp covers 32 / kLanes tokens per load.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
+  constexpr int kLanes = D / kElems;
+  constexpr int kTokensPerLoad = 32 / kLanes;
+  constexpr int kGroups = kWarps * kTokensPerLoad;  // independent (m, l, acc) states per CTA
+  constexpr bool kScaled = sizeof(T) == 1;
+  using Raw = typename Vec<T>::type;
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = lane / kLanes, col = (lane % kLanes) * kElems;
+  const int group = warp * kTokensPerLoad + sub;
+  const int H = p.kv_heads * G;
+
+  const int length = p.lengths[b];
+  const int seq_pages = (length + p.page - 1) / p.page;
+  const int per_split = (seq_pages + p.splits - 1) / p.splits;
+  const int tok_begin = split * per_split * p.page;
+  const int tok_end = min(length, (split + 1) * per_split * p.page);
+
+  float q[G][kElems];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float* qg = p.q + ((size_t)b * H + kvh * G + g) * D + col;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) q[g][i] = qg[i] * p.softmax_scale;
+  }
+  float m[G], l[G], acc[G][kElems];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = kFloor, l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[g][i] = 0.f;
+  }
+
+  const T* kbase = static_cast<const T*>(p.k) + (size_t)kvh * D + col;
+  const T* vbase = static_cast<const T*>(p.v) + (size_t)kvh * D + col;
+  const size_t row_stride = (size_t)p.kv_heads * D;
+  const int32_t* table = p.tables + (size_t)b * p.table_width;
+  constexpr int kStep = kWarps * kTokensPerLoad * kUnroll;
+
+  for (int base = tok_begin + warp * kTokensPerLoad * kUnroll; base < tok_end; base += kStep) {
+    Raw kr[kUnroll], vr[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = base + u * kTokensPerLoad + sub;
+      valid[u] = t < tok_end;
+      if (valid[u]) {
+        const size_t slot = (size_t)table[t / p.page] * p.page + t % p.page;
+        kr[u] = *reinterpret_cast<const Raw*>(kbase + slot * row_stride);
+        vr[u] = *reinterpret_cast<const Raw*>(vbase + slot * row_stride);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float kf[kElems], vf[kElems];
+      if (valid[u]) {
+        Decode<T, kScaled>(kr[u], p.k_scale, p.round, kf);
+        Decode<T, kScaled>(vr[u], p.v_scale, p.round, vf);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) kf[i] = vf[i] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) s = fmaf(q[g][i], kf[i], s);
+#pragma unroll
+        for (int off = kLanes / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (!valid[u]) s = -INFINITY;
+        const float m_new = fmaxf(m[g], s);
+        const float corr = __expf(m[g] - m_new), w = __expf(s - m_new);
+        m[g] = m_new;
+        l[g] = l[g] * corr + w;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) acc[g][i] = fmaf(w, vf[i], acc[g][i] * corr);
+      }
+    }
+  }
+
+  // Merge the CTA's kGroups states: each group's (m, l) and its lanes' slices of acc.
+  __shared__ float sm_m[kGroups][G], sm_l[kGroups][G];
+  __shared__ float sm_acc[kGroups][G][D];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane % kLanes == 0) sm_m[group][g] = m[g], sm_l[group][g] = l[g];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) sm_acc[group][g][col + i] = acc[g][i];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
+    const int g = idx / D, d = idx % D;
+    float mx = kFloor;
+    for (int j = 0; j < kGroups; ++j) mx = fmaxf(mx, sm_m[j][g]);
+    float lsum = 0.f, o = 0.f;
+    for (int j = 0; j < kGroups; ++j) {
+      const float c = __expf(sm_m[j][g] - mx);
+      lsum += sm_l[j][g] * c;
+      o += sm_acc[j][g][d] * c;
+    }
+    if (p.splits == 1) {
+      p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? o / lsum : 0.f;
+    } else {
+      const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
+      p.part_o[part * D + d] = o;
+      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
+    }
+  }
+}
+
+// grid (B, KV * G), D threads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
+__global__ void MergeSplitsKernel(Params p, int G, int D) {
+  const int b = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+  const int kvh = head / G, g = head % G;
+  const size_t first = (((size_t)b * p.kv_heads + kvh) * p.splits) * G + g;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, p.part_ml[(first + (size_t)s * G) * 2]);
+  float lsum = 0.f, o = 0.f;
+  if (mx > -INFINITY) {
+    for (int s = 0; s < p.splits; ++s) {
+      const size_t part = first + (size_t)s * G;
+      const float c = __expf(p.part_ml[part * 2] - mx);
+      lsum += p.part_ml[part * 2 + 1] * c;
+      o += p.part_o[part * D + d] * c;
+    }
+  }
+  p.out[((size_t)b * p.kv_heads * G + head) * D + d] = lsum > 0.f ? o / lsum : 0.f;
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("modelopt_paged_decode: " + what);
+}
+
+template <typename T, int D, int G>
+void Launch(const Params& p, int batch, cudaStream_t stream) {
+  dim3 grid(p.splits, p.kv_heads, batch);
+  PagedDecodeKernel<T, D, G><<<grid, kWarps * 32, 0, stream>>>(p);
+  if (p.splits > 1) MergeSplitsKernel<<<dim3(batch, p.kv_heads * G), D, 0, stream>>>(p, G, D);
+}
+
+template <typename T, int D>
+bool DispatchG(int g, const Params& p, int batch, cudaStream_t stream) {
+  switch (g) {
+    case 1: Launch<T, D, 1>(p, batch, stream); return true;
+    case 2: Launch<T, D, 2>(p, batch, stream); return true;
+    case 3: Launch<T, D, 3>(p, batch, stream); return true;
+    case 4: Launch<T, D, 4>(p, batch, stream); return true;
+    case 5: Launch<T, D, 5>(p, batch, stream); return true;
+    case 6: Launch<T, D, 6>(p, batch, stream); return true;
+    case 7: Launch<T, D, 7>(p, batch, stream); return true;
+    case 8: Launch<T, D, 8>(p, batch, stream); return true;
+  }
+  return false;
+}
+
+template <typename T>
+bool DispatchD(int d, int g, const Params& p, int batch, cudaStream_t stream) {
+  switch (d) {
+    case 64: return DispatchG<T, 64>(g, p, batch, stream);
+    case 128: return DispatchG<T, 128>(g, p, batch, stream);
+  }
+  return false;
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
+                           float softmax_scale, int32_t page, int32_t value_round) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
+  if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
+  if (v.dimensions().size() != 3 || v.dimensions()[0] != kd[0] || v.dimensions()[1] != kd[1] ||
+      v.dimensions()[2] != kd[2]) {
+    return Invalid("v must have k's shape " + Dims(kd) + ", got " + Dims(v.dimensions()));
+  }
+  if (k.element_type() != v.element_type()) return Invalid("k and v must have one dtype");
+  const int64_t batch = qd[0], heads = qd[1], d = qd[2], kv_heads = kd[1];
+  if (kd[2] != d) return Invalid("head_dim of q " + Dims(qd) + " and k " + Dims(kd) + " differ");
+  if (kv_heads <= 0 || heads % kv_heads != 0) {
+    return Invalid("heads (" + std::to_string(heads) + ") must be a multiple of kv_heads (" +
+                   std::to_string(kv_heads) + ")");
+  }
+  if (page <= 0 || kd[0] % page != 0) {
+    return Invalid("page_size " + std::to_string(page) + " must divide the pool's slots " + std::to_string(kd[0]));
+  }
+  if (td.size() != 2 || td[0] != batch) return Invalid("block_tables must be [" + std::to_string(batch) +
+                                                       ", pages], got " + Dims(td));
+  if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != batch) {
+    return Invalid("lengths must be [" + std::to_string(batch) + "], got " + Dims(lengths.dimensions()));
+  }
+  const auto od = out->dimensions(), pd = part_o->dimensions(), md = part_ml->dimensions();
+  if (od.size() != 3 || od[0] != batch || od[1] != heads || od[2] != d) return Invalid("out must have q's shape");
+  const int64_t g = heads / kv_heads;
+  if (pd.size() != 5 || pd[0] != batch || pd[1] != kv_heads || pd[3] != g || pd[4] != d || pd[2] < 1) {
+    return Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + Dims(pd));
+  }
+  if (md.size() != 5 || md[0] != batch || md[1] != kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
+    return Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
+  }
+  if (value_round < 0 || value_round > 2) return Invalid("value_round must be 0 (none), 1 (bf16) or 2 (f16)");
+  if (batch > 65535) return Invalid("batch " + std::to_string(batch) + " exceeds 65535");
+  if (batch == 0) return ffi::Error::Success();
+
+  Params p;
+  p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
+  p.tables = tables.typed_data(), p.lengths = lengths.typed_data();
+  p.out = out->typed_data(), p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
+  p.kv_heads = static_cast<int>(kv_heads), p.table_width = static_cast<int>(td[1]), p.page = page;
+  p.splits = static_cast<int>(pd[2]);
+  p.k_scale = k_scale, p.v_scale = v_scale, p.softmax_scale = softmax_scale;
+  p.round = static_cast<Round>(value_round);
+
+  bool launched = false;
+  switch (k.element_type()) {
+    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, batch, stream); break;
+    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, batch, stream); break;
+    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, batch, stream); break;
+    default: return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
+  }
+  if (!launched) {
+    return Invalid("compiled for head_dim 64 or 128 and 1..8 query heads per kv head; got head_dim " +
+                   std::to_string(d) + ", " + std::to_string(g) + " per kv head");
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("modelopt_paged_decode: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+// Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
+// element the kernel fails to write shows.
+ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
+                                   ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
+                                   float softmax_scale, int32_t page, int32_t value_round) {
+  return PagedDecodeCuda(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale,
+                         page, value_round);
+}
+
+template <typename Binding>
+auto BindResultsAndAttrs(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("k_scale")
+      .template Attr<float>("v_scale")
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("page_size")
+      .template Attr<int32_t>("value_round");
+}
+
+auto BindOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+      .Arg<ffi::AnyBuffer>()          // key pool [slots, KV, D]
+      .Arg<ffi::AnyBuffer>()          // value pool
+      .Arg<ffi::Buffer<ffi::S32>>()   // block tables [T, W]
+      .Arg<ffi::Buffer<ffi::S32>>();  // lengths [T] (position + 1)
+}
+
+}  // namespace
+}  // namespace modelopt_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCuda, modelopt_jax::cuda::PagedDecodeCuda,
+                              modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCudaPoisoned, modelopt_jax::cuda::PagedDecodeCudaPoisoned,
+                              modelopt_jax::cuda::BindResultsAndAttrs(
+                                  modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

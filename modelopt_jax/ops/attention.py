@@ -1,0 +1,162 @@
+"""Attention over a dense cache and over a paged KV pool.
+
+:func:`causal_attention` is the dense reference (the cache-less forward and the dense cache use it).
+:func:`paged_attention` is what the engine's packed steps call: every token is a query over its
+own sequence's pages up to its position, whatever mix of prompt chunks and decode tokens the step
+holds. On CUDA, with the native library built, it is one kernel (``ffi/cuda/paged_attention.cu``)
+that reads only the pages in use; elsewhere it is XLA over gathered pages with the same masking and
+the same stored-value decoding (FP8 code * scale, rounded to the compute dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from modelopt_jax.ops.quantize import dequantize_static
+
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_MAX_GROUP = 8
+KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+_VALUE_ROUND = {"float32": 0, "bfloat16": 1, "float16": 2}
+_FLOOR = np.float32(np.finfo(np.float32).min)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention with GQA. q [B,T,H,D], k/v [B,S,KV,D], mask [B,1,T,S] (True = attend)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * np.float32(d ** -0.5)
+    # A finite floor (not -inf) keeps fully masked rows (left padding) finite instead of NaN.
+    scores = jnp.where(mask[:, :, None], scores, _FLOOR)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h * d).astype(v.dtype)
+
+
+def _decode(stored: jax.Array, scale: float | None, dtype) -> jax.Array:
+    return dequantize_static(stored, scale, dtype) if scale is not None else stored.astype(dtype)
+
+
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_scale: float | None,
+                    v_scale: float | None, page_size: int, token_rows: jax.Array, positions: jax.Array,
+                    block_tables: jax.Array, dtype, backend: str = "auto",
+                    out_init: jax.Array | None = None) -> jax.Array:
+    """Each token's attention over its sequence's cached keys/values up to its own position.
+
+    ``q`` [T, H, D] (RoPE applied); pools [slots, KV, D] already holding this step's keys/values;
+    token t belongs to row ``token_rows[t]`` of ``block_tables`` [R, W] and sits at ``positions[t]``,
+    so it sees that row's positions 0..positions[t]. ``k_scale``/``v_scale`` are the FP8 pages'
+    static scales (None for bf16/f16 pages). Returns [T, H * D] in ``dtype``. ``backend``: "auto"
+    (the CUDA kernel where it is built and the shapes qualify), "xla" or "kernel". ``out_init``
+    (kernel only, tests): a float32 [T, H, D] operand aliased to the kernel's output, e.g. NaN-filled
+    so that an element the kernel does not write shows.
+    """
+    if backend == "xla" or (backend == "auto" and not _kernel_qualifies(q, k_pool, dtype)):
+        return _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
+                                    v_scale=v_scale, page_size=page_size, dtype=dtype)
+    kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
+                               dtype=dtype, out_init=out_init)
+    operands = (q, k_pool, v_pool, token_rows, positions, block_tables)
+    if backend == "kernel":
+        return kernel(*operands)
+    xla = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
+                            dtype=dtype)
+    return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
+
+
+def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
+    """Whether the CUDA kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
+    from modelopt_jax.ops import native
+
+    return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
+            and heads // kv_heads <= KERNEL_MAX_GROUP and jnp.dtype(pool_dtype).name in KERNEL_POOL_DTYPES
+            and jnp.dtype(dtype).name in _VALUE_ROUND)
+
+
+def _kernel_qualifies(q, k_pool, dtype) -> bool:
+    _, h, d = q.shape
+    return kernel_supports(h, k_pool.shape[1], d, k_pool.dtype, dtype)
+
+
+def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 132) -> int:
+    """How many CTAs share one (token, kv head)'s context: enough CTAs to fill the GPU ~4 times over.
+
+    Each CTA then reads an equal share of its own sequence's pages (a short sequence leaves
+    the later splits empty, which cost a launch slot and nothing else).
+    """
+    want = -(-4 * sm_count // max(1, tokens * kv_heads))
+    return int(max(1, min(want, table_width, 32)))
+
+
+def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
+                            dtype, out_init=None):
+    from modelopt_jax.ops import native
+
+    t, h, d = q.shape
+    kv = k_pool.shape[1]
+    g = h // kv
+    # The kernel indexes block tables per token: expand [R, W] to the tokens' rows (int32; the same
+    # gather in every layer, which XLA computes once).
+    tables = block_tables[token_rows]
+    splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count())
+    out_types = (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
+                 jax.ShapeDtypeStruct((t, kv, splits, g, d), jnp.float32),
+                 jax.ShapeDtypeStruct((t, kv, splits, g, 2), jnp.float32))
+    operands = [q.astype(jnp.float32), k_pool, v_pool, tables.astype(jnp.int32), (positions + 1).astype(jnp.int32)]
+    target, aliases = native.PAGED_DECODE_TARGET, {}
+    if out_init is not None:
+        target, aliases = native.PAGED_DECODE_POISONED_TARGET, {len(operands): 0}
+        operands.append(out_init)
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all", input_output_aliases=aliases)
+    out, _, _ = call(*operands,
+                     k_scale=np.float32(1.0 if k_scale is None else k_scale),
+                     v_scale=np.float32(1.0 if v_scale is None else v_scale),
+                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
+                     value_round=np.int32(_VALUE_ROUND[jnp.dtype(dtype).name] if k_scale is not None else 0))
+    return out.reshape(t, h * d).astype(dtype)
+
+
+@functools.cache
+def _sm_count() -> int:
+    try:
+        gpu = jax.devices("gpu")[0]
+        return int(getattr(gpu, "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
+
+
+def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
+                         dtype):
+    """XLA: gather the rows' pages, mask by row and position, softmax as :func:`causal_attention`.
+
+    Two layouts, chosen by static cost: per token (each token gathers its own row's context:
+    T x S keys; right for decode steps, one token per row) or flat (the R rows' contexts gathered
+    once, R x S keys, every token scored against all of them and masked to its own row; right for
+    prompt chunks, many tokens per row).
+    """
+    t, h, d = q.shape
+    kv = k_pool.shape[1]
+    g = h // kv
+    rows, width = block_tables.shape
+    s = width * page_size
+    slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size, dtype=block_tables.dtype)).reshape(rows, s)
+    key_pos = jnp.arange(s, dtype=positions.dtype)
+    if rows * g >= d:  # per token: [T, S] keys, mask by position
+        tok_slots = slots[token_rows]
+        k = _decode(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
+        v = _decode(v_pool[tok_slots], v_scale, dtype)
+        mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]   # [T, 1, 1, S]
+        out = causal_attention(q[:, None], k, v, mask)
+        return out.reshape(t, h * d)
+    k = _decode(k_pool[slots.reshape(-1)], k_scale, dtype)[None]      # [1, R*S, KV, D]
+    v = _decode(v_pool[slots.reshape(-1)], v_scale, dtype)[None]
+    key_rows = jnp.repeat(jnp.arange(rows, dtype=token_rows.dtype), s)
+    mask = (key_rows[None, :] == token_rows[:, None]) & (jnp.tile(key_pos, rows)[None, :] <= positions[:, None])
+    out = causal_attention(q[None], k, v, mask[None, None])
+    return out.reshape(t, h * d)

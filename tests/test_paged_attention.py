@@ -1,0 +1,159 @@
+"""Paged attention (``modelopt_jax.ops.attention.paged_attention``) against a float64 reference.
+
+Every case draws a pool of random keys/values (bf16, f16 or FP8 codes with a static scale), block
+tables of shuffled, non-contiguous pages, and tokens from several sequences with ragged lengths
+that start, end and cross page boundaries -- decode tokens (one per sequence) and prompt chunks
+(many per sequence) packed side by side. The reference decodes the stored values exactly as the
+cache is read (code * scale in float32, rounded to the compute dtype), then computes each token's
+softmax attention over its own sequence up to its position in float64.
+
+The XLA path runs everywhere; its two layouts (per-token and flat) are both exercised. The CUDA
+kernel runs on a GPU with the native library built: its output is aliased to a NaN-filled operand,
+so an element it fails to write shows, and the compiled HLO must hold the custom call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from modelopt_jax.ops import native
+from modelopt_jax.ops.attention import kernel_splits, paged_attention
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def _case(seed, *, heads, kv_heads, head_dim, page, lengths_and_new, pool_dtype, dtype):
+    """Pools, tables and a packed batch: sequence i has ``lengths_and_new[i] = (context, new)`` tokens,
+    its last ``new`` positions being this step's queries."""
+    rng = np.random.default_rng(seed)
+    rows = len(lengths_and_new)
+    pages_per_row = [-(-ctx // page) for ctx, _ in lengths_and_new]
+    num_pages = 1 + sum(pages_per_row) + 3                       # page 0 scratch, a few never used
+    order = rng.permutation(np.arange(1, num_pages))
+    width = max(pages_per_row) + 2
+    tables = np.zeros((rows, width), np.int32)
+    used = 0
+    for r, n in enumerate(pages_per_row):
+        tables[r, :n] = order[used:used + n]
+        used += n
+    slots = num_pages * page
+    values = rng.standard_normal((2, slots, kv_heads, head_dim)).astype(np.float32) * 2
+    k_scale = v_scale = None
+    if pool_dtype == "float8_e4m3fn":
+        k_scale, v_scale = 0.0173, 0.0121
+        k_pool = (values[0] / k_scale).clip(-448, 448).astype(E4M3)
+        v_pool = (values[1] / v_scale).clip(-448, 448).astype(E4M3)
+    else:
+        k_pool, v_pool = (values[i].astype(jnp.dtype(pool_dtype)) for i in (0, 1))
+    token_rows, positions = [], []
+    for r, (ctx, new) in enumerate(lengths_and_new):
+        token_rows += [r] * new
+        positions += list(range(ctx - new, ctx))
+    t = len(positions)
+    q = (rng.standard_normal((t, heads, head_dim)) * 1.5).astype(np.float32).astype(jnp.dtype(dtype))
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, k_scale=k_scale, v_scale=v_scale, page_size=page,
+                token_rows=np.asarray(token_rows, np.int32), positions=np.asarray(positions, np.int32),
+                block_tables=tables, dtype=dtype)
+
+
+def _decoded(pool, scale, dtype) -> np.ndarray:
+    x = pool.astype(np.float32) * np.float32(scale) if scale is not None else pool.astype(np.float32)
+    return x.astype(jnp.dtype(dtype)).astype(np.float64)
+
+
+def _reference(c) -> np.ndarray:
+    k = _decoded(c["k_pool"], c["k_scale"], c["dtype"])
+    v = _decoded(c["v_pool"], c["v_scale"], c["dtype"])
+    q = np.asarray(c["q"], np.float64)
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    page = c["page_size"]
+    out = np.zeros((t, h, d))
+    for i in range(t):
+        table = c["block_tables"][c["token_rows"][i]]
+        pos = np.arange(c["positions"][i] + 1)
+        slots = table[pos // page] * page + pos % page
+        for head in range(h):
+            scores = k[slots, head // g] @ q[i, head] / np.sqrt(d)
+            p = np.exp(scores - scores.max())
+            out[i, head] = (p / p.sum()) @ v[slots, head // g]
+    return out.reshape(t, h * d)
+
+
+# (context, new) per sequence: decode rows (new = 1) at and around page edges, prompt chunks
+# with and without a cached prefix.
+DECODE = [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (257, 1)]
+MIXED = [(1, 1), (33, 1), (40, 40), (70, 23), (16, 16), (129, 1), (48, 17)]
+CASES = [
+    # heads, kv_heads, head_dim, page, rows
+    (8, 2, 32, 16, DECODE),    # per-token layout (rows * group >= head_dim)
+    (8, 2, 64, 16, MIXED),     # flat layout on XLA
+    (4, 4, 64, 8, MIXED),      # no GQA, small pages
+    (14, 2, 64, 16, DECODE),   # group of 7 (Qwen2)
+]
+
+
+def _tolerance(dtype, pool_dtype):
+    return 2e-2 if "bfloat16" in (dtype, pool_dtype) else 4e-3  # relative Frobenius error; bf16 rounds at 4e-3
+
+
+@pytest.mark.parametrize("pool_dtype,dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                              ("float8_e4m3fn", "float32"), ("float8_e4m3fn", "bfloat16")])
+@pytest.mark.parametrize("shape", range(len(CASES)))
+def test_xla_paged_attention_matches_float64(shape, pool_dtype, dtype):
+    heads, kv_heads, head_dim, page, rows = CASES[shape]
+    c = _case(shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
+              pool_dtype=pool_dtype, dtype=dtype)
+    got = np.asarray(paged_attention(**{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()},
+                                     backend="xla"), np.float64)
+    want = _reference(c)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < (1e-5 if dtype == "float32" else _tolerance(dtype, pool_dtype)), err
+
+
+def test_splits_fill_the_gpu_and_stay_within_the_table():
+    assert kernel_splits(1, 8, 256, 132) == 32          # one sequence: as many splits as allowed
+    assert kernel_splits(64, 8, 256, 132) == 2
+    assert kernel_splits(4096, 8, 256, 132) == 1
+    assert kernel_splits(1, 8, 3, 132) == 3              # never more splits than pages
+
+
+@pytest.mark.parametrize("pool_dtype,dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                              ("float8_e4m3fn", "bfloat16"), ("float8_e4m3fn", "float32")])
+@pytest.mark.parametrize("shape", [1, 2, 3, 4])
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
+def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype):
+    cases = CASES + [(32, 8, 128, 16, [(1024, 1)] * 3 + [(4000, 1), (2, 1)] + MIXED)]  # Llama-3-8B heads
+    heads, kv_heads, head_dim, page, rows = cases[shape]
+    c = _case(10 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
+              pool_dtype=pool_dtype, dtype=dtype)
+    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    t = len(c["positions"])
+    poison = jnp.full((t, heads, head_dim), jnp.nan, jnp.float32)
+    fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="kernel", out_init=o))
+    static = {k: args.pop(k) for k in ("k_scale", "v_scale", "page_size", "dtype")}
+    hlo = fn.lower(args, poison).compile().as_text()
+    assert "modelopt_paged_decode_poisoned" in hlo
+    got = np.asarray(fn(args, poison), np.float64)
+    assert np.isfinite(got).all()
+    want = _reference(c)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < _tolerance(dtype, pool_dtype), err
+    xla = np.asarray(paged_attention(**args, **static, backend="xla"), np.float64)
+    assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < _tolerance(dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
+def test_cuda_kernel_is_what_auto_runs_on_gpu():
+    c = _case(3, heads=8, kv_heads=2, head_dim=64, page=16, lengths_and_new=DECODE, pool_dtype="bfloat16",
+              dtype="bfloat16")
+    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    static = {k: args.pop(k) for k in ("k_scale", "v_scale", "page_size", "dtype")}
+    hlo = jax.jit(lambda a: paged_attention(**a, **static)).lower(args).compile().as_text()
+    assert "modelopt_paged_decode" in hlo
