@@ -29,7 +29,7 @@ from modelopt_jax.ops.attention import paged_attention  # noqa: E402
 
 HEADS, KV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 512), (256, 1024)]
-POOLS = 3  # distinct pools per timed program
+POOL_BUDGET = 12e9  # bytes of distinct pools per timed program (3..10 of them: dispatch amortised)
 
 
 def make(batch, context, dtype, seed):
@@ -39,7 +39,8 @@ def make(batch, context, dtype, seed):
     tables = (1 + rng.permutation(total - 1)).reshape(batch, pages).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((batch, HEADS, D)), jnp.bfloat16)
     pools = []
-    for i in range(POOLS):
+    count = int(max(3, min(10, POOL_BUDGET // (2 * total * PAGE * KV * D * jnp.dtype(dtype).itemsize))))
+    for i in range(count):
         k = jax.random.normal(jax.random.key(seed * 10 + i), (total * PAGE, KV, D), jnp.float32)
         pools.append((k.astype(dtype), (k * 0.5).astype(dtype)))
     return q, pools, jnp.asarray(tables), jnp.full((batch,), context - 1, jnp.int32)

@@ -47,7 +47,7 @@ print('memcheck sample done')
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
     attn-tests) shift
-      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_engine.py \
+      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py \
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;

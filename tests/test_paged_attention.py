@@ -112,7 +112,9 @@ def test_xla_paged_attention_matches_float64(shape, pool_dtype, dtype):
                                      backend="xla"), np.float64)
     want = _reference(c)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert err < (1e-5 if dtype == "float32" else _tolerance(dtype, pool_dtype)), err
+    # float32 einsums: exact-ish on CPU; on a GPU, XLA's default precision is TF32 (10-bit mantissa)
+    f32 = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+    assert err < (f32 if dtype == "float32" else _tolerance(dtype, pool_dtype)), err
 
 
 def test_splits_fill_the_gpu_and_stay_within_the_table():

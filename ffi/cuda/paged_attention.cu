@@ -8,9 +8,11 @@
 // the context is split across CTAs for parallelism, a second small kernel merges the partials.
 //
 // Layout (the engine's pool, modelopt_jax.kv_cache.PagedKVCache): keys/values [slots, kv_heads, d],
-// slot = block_table[b, p // page] * page + p % page. FP8 pages hold e4m3 codes; a value is
-// code * scale, rounded to the model's compute dtype (`value_round`), the same numbers XLA's path
-// reads. q is float32 [B, heads, d]; the output float32 [B, heads, d].
+// slot = block_table[t, p // page] * page + p % page (the engine expands its per-sequence tables to
+// one row per token). FP8 pages hold e4m3 codes; a value is code * scale, exactly: the key scale is
+// folded into q and the value scale into the output. (XLA's path rounds code * scale to the compute
+// dtype first, a difference within that dtype's rounding.) q is float32 [T, heads, d]; the output
+// float32 [T, heads, d]. Token t attends over positions 0 .. lengths[t] - 1 of its row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -18,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -28,32 +31,30 @@ namespace {
 namespace ffi = xla::ffi;
 
 constexpr int kWarps = 4;
-constexpr int kElems = 8;    // elements of a key/value row per lane (16 B of bf16, 8 B of fp8)
-constexpr int kUnroll = 4;   // token groups whose loads a warp issues before using them
+constexpr int kChunkPages = 256;  // page ids a CTA stages in shared memory at a time
 constexpr float kFloor = -1e30f;  // running max's start: finite, so exp(floor - floor) is 1, never NaN
 
-enum class Round : int32_t { kNone = 0, kBF16 = 1, kF16 = 2 };
-
 struct Params {
-  const float* q;          // [B, H, D]
+  const float* q;          // [T, H, D]
   const void* k;           // [slots, KV, D]
   const void* v;
-  const int32_t* tables;   // [B, W]
-  const int32_t* lengths;  // [B]
-  float* out;              // [B, H, D]
-  float* part_o;           // [B, KV, S, G, D]
-  float* part_ml;          // [B, KV, S, G, 2]
-  int kv_heads, table_width, page, splits;
-  float k_scale, v_scale, softmax_scale;
-  Round round;
+  const int32_t* tables;   // [T, W]
+  const int32_t* lengths;  // [T]
+  float* out;              // [T, H, D]
+  float* part_o;           // [T, KV, S, G, D]
+  float* part_ml;          // [T, KV, S, G, 2]
+  int kv_heads, table_width, page, page_shift, splits;  // page_shift: log2(page), or -1
+  float q_scale, v_scale;  // softmax scale (x FP8 key scale); FP8 value scale (1 otherwise)
 };
 
-template <typename T>
-struct Vec;  // kElems stored values of a row, as loaded
-template <>
-struct Vec<__nv_bfloat16> {
-  using type = uint4;
-  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+// How a lane loads and converts its slice of a key/value row: kElems elements in one load.
+template <typename T, int kElems>
+struct Row;
+template <int kElems>
+struct Row<__nv_bfloat16, kElems> {
+  static_assert(kElems == 8);
+  using Raw = uint4;
+  static __device__ __forceinline__ void to_float(const Raw& r, float* f) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -62,10 +63,11 @@ struct Vec<__nv_bfloat16> {
     }
   }
 };
-template <>
-struct Vec<__half> {
-  using type = uint4;
-  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+template <int kElems>
+struct Row<__half, kElems> {
+  static_assert(kElems == 8);
+  using Raw = uint4;
+  static __device__ __forceinline__ void to_float(const Raw& r, float* f) {
     const __half2* h = reinterpret_cast<const __half2*>(&r);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -74,13 +76,14 @@ struct Vec<__half> {
     }
   }
 };
-template <>
-struct Vec<__nv_fp8_e4m3> {
-  using type = uint2;
-  static __device__ __forceinline__ void to_float(const type& r, float* f) {
+template <int kElems>
+struct Row<__nv_fp8_e4m3, kElems> {
+  static_assert(kElems == 8 || kElems == 16);
+  using Raw = std::conditional_t<kElems == 16, uint4, uint2>;
+  static __device__ __forceinline__ void to_float(const Raw& r, float* f) {
     const __nv_fp8x2_storage_t* c = reinterpret_cast<const __nv_fp8x2_storage_t*>(&r);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kElems / 2; ++i) {
       __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c[i], __NV_E4M3);  // exact: e4m3 is a subset of f16
       float2 x = __half22float2(*reinterpret_cast<__half2*>(&h));
       f[2 * i] = x.x, f[2 * i + 1] = x.y;
@@ -88,31 +91,24 @@ struct Vec<__nv_fp8_e4m3> {
   }
 };
 
-__device__ __forceinline__ float RoundTo(float x, Round r) {
-  if (r == Round::kBF16) return __bfloat162float(__float2bfloat16_rn(x));
-  if (r == Round::kF16) return __half2float(__float2half_rn(x));
-  return x;
-}
+// FP8 rows: 16 codes per lane (one 16-byte load) while the registers allow it.
+template <typename T, int G>
+__host__ __device__ constexpr int ElemsPerLane() { return sizeof(T) == 1 && G <= 4 ? 16 : 8; }
+template <int G>
+__host__ __device__ constexpr int UnrollFor() { return G <= 4 ? 8 : 4; }
 
-// Values of one row slice: stored -> float, times the FP8 scale and rounded as XLA's path reads them.
-template <typename T, bool kScaled>
-__device__ __forceinline__ void Decode(const typename Vec<T>::type& raw, float scale, Round round, float* f) {
-  Vec<T>::to_float(raw, f);
-  if (kScaled) {
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) f[i] = RoundTo(f[i] * scale, round);
-  }
-}
-
-// grid (splits, KV, B), kWarps warps. Lanes come in groups of kLanes (= D / kElems) that together
-// hold one token's row; a warp covers 32 / kLanes tokens per load.
+// grid (splits, KV, T), kWarps warps. Lanes come in groups of kLanes (= D / kElems) that together
+// hold one token's row; a warp covers 32 / kLanes tokens per load and issues kUnroll such loads of
+// keys and values before using them. Softmax state is rescaled once per kUnroll tokens.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
+  constexpr int kElems = ElemsPerLane<T, G>();
+  constexpr int kUnroll = UnrollFor<G>();
   constexpr int kLanes = D / kElems;
   constexpr int kTokensPerLoad = 32 / kLanes;
   constexpr int kGroups = kWarps * kTokensPerLoad;  // independent (m, l, acc) states per CTA
-  constexpr bool kScaled = sizeof(T) == 1;
-  using Raw = typename Vec<T>::type;
+  using R = Row<T, kElems>;
+  using Raw = typename R::Raw;
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -123,15 +119,15 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
   const int length = p.lengths[b];
   const int seq_pages = (length + p.page - 1) / p.page;
   const int per_split = (seq_pages + p.splits - 1) / p.splits;
-  const int tok_begin = split * per_split * p.page;
-  const int tok_end = min(length, (split + 1) * per_split * p.page);
+  const int page_begin = split * per_split;
+  const int page_end = min(seq_pages, page_begin + per_split);
 
   float q[G][kElems];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const float* qg = p.q + ((size_t)b * H + kvh * G + g) * D + col;
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) q[g][i] = qg[i] * p.softmax_scale;
+    for (int i = 0; i < kElems; ++i) q[g][i] = qg[i] * p.q_scale;
   }
   float m[G], l[G], acc[G][kElems];
 #pragma unroll
@@ -146,44 +142,67 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
   const size_t row_stride = (size_t)p.kv_heads * D;
   const int32_t* table = p.tables + (size_t)b * p.table_width;
   constexpr int kStep = kWarps * kTokensPerLoad * kUnroll;
+  __shared__ int32_t sm_pages[kChunkPages];
 
-  for (int base = tok_begin + warp * kTokensPerLoad * kUnroll; base < tok_end; base += kStep) {
-    Raw kr[kUnroll], vr[kUnroll];
-    bool valid[kUnroll];
+  for (int chunk = page_begin; chunk < page_end; chunk += kChunkPages) {
+    const int chunk_pages = min(kChunkPages, page_end - chunk);
+    __syncthreads();
+    for (int i = threadIdx.x; i < chunk_pages; i += kWarps * 32) sm_pages[i] = table[chunk + i];
+    __syncthreads();
+    const int tok_begin = chunk * p.page;
+    const int tok_end = min(length, (chunk + chunk_pages) * p.page);
+    for (int base = tok_begin + warp * kTokensPerLoad * kUnroll; base < tok_end; base += kStep) {
+      Raw kr[kUnroll], vr[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = base + u * kTokensPerLoad + sub;
-      valid[u] = t < tok_end;
-      if (valid[u]) {
-        const size_t slot = (size_t)table[t / p.page] * p.page + t % p.page;
-        kr[u] = *reinterpret_cast<const Raw*>(kbase + slot * row_stride);
-        vr[u] = *reinterpret_cast<const Raw*>(vbase + slot * row_stride);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = base + u * kTokensPerLoad + sub;
+        if (t < tok_end) {
+          const int rel = t - tok_begin;
+          const int pg = p.page_shift >= 0 ? rel >> p.page_shift : rel / p.page;
+          const size_t slot = (size_t)sm_pages[pg] * p.page + (rel - pg * p.page);
+          kr[u] = *reinterpret_cast<const Raw*>(kbase + slot * row_stride);
+          vr[u] = *reinterpret_cast<const Raw*>(vbase + slot * row_stride);
+        }
       }
-    }
+      float s[kUnroll][G];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[kElems], vf[kElems];
-      if (valid[u]) {
-        Decode<T, kScaled>(kr[u], p.k_scale, p.round, kf);
-        Decode<T, kScaled>(vr[u], p.v_scale, p.round, vf);
-      } else {
+      for (int u = 0; u < kUnroll; ++u) {
+        const bool valid = base + u * kTokensPerLoad + sub < tok_end;
+        float kf[kElems];
+        R::to_float(kr[u], kf);
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) kf[i] = vf[i] = 0.f;
+        for (int g = 0; g < G; ++g) {
+          float x = 0.f;
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) x = fmaf(q[g][i], kf[i], x);
+#pragma unroll
+          for (int off = kLanes / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+          s[u][g] = valid ? x : -INFINITY;
+        }
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float s = 0.f;
+        float mx = m[g];
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) s = fmaf(q[g][i], kf[i], s);
+        for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
+        const float corr = __expf(m[g] - mx);
+        m[g] = mx;
+        l[g] *= corr;
 #pragma unroll
-        for (int off = kLanes / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (!valid[u]) s = -INFINITY;
-        const float m_new = fmaxf(m[g], s);
-        const float corr = __expf(m[g] - m_new), w = __expf(s - m_new);
-        m[g] = m_new;
-        l[g] = l[g] * corr + w;
+        for (int i = 0; i < kElems; ++i) acc[g][i] *= corr;
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) acc[g][i] = fmaf(w, vf[i], acc[g][i] * corr);
+        for (int u = 0; u < kUnroll; ++u) s[u][g] = __expf(s[u][g] - mx), l[g] += s[u][g];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kTokensPerLoad + sub >= tok_end) continue;  // its weight is 0, its registers unset
+        float vf[kElems];
+        R::to_float(vr[u], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+        }
       }
     }
   }
@@ -208,6 +227,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
       lsum += sm_l[j][g] * c;
       o += sm_acc[j][g][d] * c;
     }
+    o *= p.v_scale;
     if (p.splits == 1) {
       p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? o / lsum : 0.f;
     } else {
@@ -282,7 +302,7 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                            ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                           float softmax_scale, int32_t page, int32_t value_round) {
+                           float softmax_scale, int32_t page) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
   if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
@@ -314,7 +334,6 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
   if (md.size() != 5 || md[0] != batch || md[1] != kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
     return Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
   }
-  if (value_round < 0 || value_round > 2) return Invalid("value_round must be 0 (none), 1 (bf16) or 2 (f16)");
   if (batch > 65535) return Invalid("batch " + std::to_string(batch) + " exceeds 65535");
   if (batch == 0) return ffi::Error::Success();
 
@@ -324,8 +343,10 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
   p.out = out->typed_data(), p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
   p.kv_heads = static_cast<int>(kv_heads), p.table_width = static_cast<int>(td[1]), p.page = page;
   p.splits = static_cast<int>(pd[2]);
-  p.k_scale = k_scale, p.v_scale = v_scale, p.softmax_scale = softmax_scale;
-  p.round = static_cast<Round>(value_round);
+  const bool fp8 = k.element_type() == ffi::DataType::F8E4M3FN;
+  p.q_scale = softmax_scale * (fp8 ? k_scale : 1.f);
+  p.v_scale = fp8 ? v_scale : 1.f;
+  p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
 
   bool launched = false;
   switch (k.element_type()) {
@@ -351,9 +372,9 @@ ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q,
                                    ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
                                    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                                    ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                                   float softmax_scale, int32_t page, int32_t value_round) {
+                                   float softmax_scale, int32_t page) {
   return PagedDecodeCuda(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale,
-                         page, value_round);
+                         page);
 }
 
 template <typename Binding>
@@ -364,8 +385,7 @@ auto BindResultsAndAttrs(Binding b) {
       .template Attr<float>("k_scale")
       .template Attr<float>("v_scale")
       .template Attr<float>("softmax_scale")
-      .template Attr<int32_t>("page_size")
-      .template Attr<int32_t>("value_round");
+      .template Attr<int32_t>("page_size");
 }
 
 auto BindOperands() {

@@ -96,8 +96,11 @@ class Engine:
     def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0):
         self.model, self.config, self.max_model_len = model, config, int(max_model_len)
         budget = pool_bytes(model, config, self.max_model_len)
-        num_pages = budget // page_bytes(model, config.page_size)
-        need = -(-self.max_model_len // config.page_size) + 1  # one full-length sequence, plus scratch
+        pages_per_seq = -(-self.max_model_len // config.page_size)
+        # Never more than max_num_seqs full-length sequences can use (plus scratch): the rest of the
+        # budget stays free for other work in the process.
+        num_pages = min(budget // page_bytes(model, config.page_size), config.max_num_seqs * pages_per_seq + 1)
+        need = pages_per_seq + 1  # one full-length sequence, plus scratch
         if num_pages < need:
             raise ConfigError(
                 f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {max(num_pages - 1, 0)} pages of "
@@ -105,7 +108,6 @@ class Engine:
                 f"needs ({need - 1} pages, {(need - 1) * page_bytes(model, config.page_size) / 2**20:.1f} MiB); "
                 f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
         self.pool = PagePool(num_pages, config.page_size)
-        pages_per_seq = -(-self.max_model_len // config.page_size)
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
                              fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
         self.last_stats: dict[str, float] = {}

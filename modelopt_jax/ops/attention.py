@@ -4,8 +4,9 @@
 :func:`paged_attention` is what the engine's packed steps call: every token is a query over its
 own sequence's pages up to its position, whatever mix of prompt chunks and decode tokens the step
 holds. On CUDA, with the native library built, it is one kernel (``ffi/cuda/paged_attention.cu``)
-that reads only the pages in use; elsewhere it is XLA over gathered pages with the same masking and
-the same stored-value decoding (FP8 code * scale, rounded to the compute dtype).
+that reads only the pages in use; elsewhere it is XLA over gathered pages with the same masking.
+Both read an FP8 page's value as code * scale; XLA rounds that to the compute dtype before its
+einsums, the kernel computes in float32 (a difference within the compute dtype's rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from modelopt_jax.ops.quantize import dequantize_static
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUP = 8
 KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
-_VALUE_ROUND = {"float32": 0, "bfloat16": 1, "float16": 2}
+KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
 
@@ -76,7 +77,7 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype)
 
     return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
             and heads // kv_heads <= KERNEL_MAX_GROUP and jnp.dtype(pool_dtype).name in KERNEL_POOL_DTYPES
-            and jnp.dtype(dtype).name in _VALUE_ROUND)
+            and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
 
 
 def _kernel_qualifies(q, k_pool, dtype) -> bool:
@@ -98,6 +99,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
                             dtype, out_init=None):
     from modelopt_jax.ops import native
 
+    native.cuda_library()  # registers the kernel's FFI target
     t, h, d = q.shape
     kv = k_pool.shape[1]
     g = h // kv
@@ -117,8 +119,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
     out, _, _ = call(*operands,
                      k_scale=np.float32(1.0 if k_scale is None else k_scale),
                      v_scale=np.float32(1.0 if v_scale is None else v_scale),
-                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
-                     value_round=np.int32(_VALUE_ROUND[jnp.dtype(dtype).name] if k_scale is not None else 0))
+                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
     return out.reshape(t, h * d).astype(dtype)
 
 
