@@ -37,9 +37,10 @@ class Runner:
     """Runs packed steps: the rows' tokens side by side in one [T] vector, whatever mix of prompt
     chunks and decode tokens they are.
 
-    ``fixed_table_width`` (pages): block tables always that wide -- right when attention reads
-    only the pages in use (the CUDA kernel), so the width costs nothing and never adds a program;
-    None buckets the width to the step's longest row (XLA's attention gathers the whole width).
+    ``fixed_table_width`` (pages): decode steps' block tables always that wide -- right when their
+    attention reads only the pages in use (the CUDA kernel), so the width costs nothing and never
+    adds a program; otherwise (prompt steps, or no kernel) the width is bucketed to the step's
+    longest row, since XLA's attention gathers the whole width.
     """
 
     def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0, fixed_table_width: int | None = None):
@@ -75,15 +76,19 @@ class Runner:
         """Runs one step for ``batch`` rows of (request, tokens to feed).
 
         Shapes are bucketed so a workload compiles a handful of programs (each a whole-model
-        compile): tokens and rows to powers of two (at least 16 and 8: a GEMM costs the same for
-        M 1..8), block tables to a power of two of pages (at least 8) unless fixed.
+        compile): tokens to powers of two (at least 16), rows to powers of two (at least 8 in a
+        decode step: a GEMM costs the same for M 1..8), block tables to a power of two of pages
+        (at least 8) unless fixed.
         """
         page = self.page_size
         total = sum(n for _, n in batch)
+        decode = total == len(batch)
         tokens_b = bucket(total, 16)
-        rows = bucket(len(batch), 8)
+        # Prompt steps: rows unpadded (to a power of two), since XLA's prompt attention scores every
+        # token against every row's context (R x S keys; 8 padded rows made it 4x the keys needed).
+        rows = bucket(len(batch), 8 if decode else 1)
         longest = max(len(r.pages) for r, _ in batch)
-        width = self.fixed_table_width if self.fixed_table_width is not None else bucket(longest, 8)
+        width = self.fixed_table_width if decode and self.fixed_table_width is not None else bucket(longest, 8)
         ids = np.full(tokens_b, self.pad_id, np.int32)
         positions = np.zeros(tokens_b, np.int32)
         slots = np.zeros(tokens_b, np.int32)  # padding tokens write to the scratch page 0

@@ -1,15 +1,17 @@
 """Continuous batching: which requests run in the next step, and with how many tokens each.
 
-Policy (vLLM's, simplified): one step holds decode tokens and prompt chunks side by side.
-- Every running request that is past its prompt decodes one token. A request that needs a new
-  page when none is free preempts the most recently admitted request: its pages are freed at once
-  and it goes back to the front of the queue, to be recomputed (prompt + what it had generated)
-  when pages free up.
-- The step's prompt-token budget (``max_prefill_tokens``) then goes to requests part-way through
-  their prompt, and then to waiting requests, admitted in arrival order while the running set stays
-  under ``max_num_seqs`` and pages are free (keeping one page of headroom per running sequence, so
-  admissions do not immediately force preemptions). A long prompt is split into chunks across
-  steps, so one step's work stays bounded.
+Policy (vLLM's, simplified): a step either prefills or decodes. (Separate steps let each use its
+best attention: the CUDA kernel streams a decode token's pages once; prompt chunks, many queries per
+sequence, go through XLA's batched matmuls. On the H200 a 2048-token prompt step took 121 ms with
+the per-token kernel, see bench/RESULTS.md.)
+- Prefill first: requests part-way through their prompt continue, then waiting requests are
+  admitted in arrival order while the step's token budget (``max_prefill_tokens``) lasts, the
+  running set stays under ``max_num_seqs`` and pages are free (keeping one page of headroom per
+  running sequence, so admissions do not immediately force preemptions). A long prompt is split
+  into chunks across steps, so one step's work stays bounded.
+- Otherwise every running request decodes one token. A request that needs a new page when none
+  is free preempts the most recently admitted request: its pages are freed at once and it goes back
+  to the front of the queue, to be recomputed (prompt + what it had generated) when pages free up.
 - A finished request's pages are freed the moment it finishes.
 """
 
@@ -49,10 +51,9 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        """The next step's rows: (request, tokens to feed), decodes first. Never empty while requests remain."""
+        """The next step's rows: (request, tokens to feed). Never empty while requests remain."""
         while True:
-            batch = self._decode()
-            batch += self._prefill()
+            batch = self._prefill() or self._decode()
             if batch:
                 return batch
             # Every running request is part-way through a prompt and none can get a page: free the

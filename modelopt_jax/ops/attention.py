@@ -54,11 +54,14 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     token t belongs to row ``token_rows[t]`` of ``block_tables`` [R, W] and sits at ``positions[t]``,
     so it sees that row's positions 0..positions[t]. ``k_scale``/``v_scale`` are the FP8 pages'
     static scales (None for bf16/f16 pages). Returns [T, H * D] in ``dtype``. ``backend``: "auto"
-    (the CUDA kernel where it is built and the shapes qualify), "xla" or "kernel". ``out_init``
+    (the CUDA kernel where it is built, the shapes qualify and the step is decode-like -- at most
+    two tokens per row: the kernel reads each token's pages separately, which prompt chunks of
+    many tokens per sequence would re-read; XLA's batched matmuls serve those), "xla" or "kernel". ``out_init``
     (kernel only, tests): a float32 [T, H, D] operand aliased to the kernel's output, e.g. NaN-filled
     so that an element the kernel does not write shows.
     """
-    if backend == "xla" or (backend == "auto" and not _kernel_qualifies(q, k_pool, dtype)):
+    decode_like = q.shape[0] <= 2 * block_tables.shape[0]
+    if backend == "xla" or (backend == "auto" and not (decode_like and _kernel_qualifies(q, k_pool, dtype))):
         return _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
                                     v_scale=v_scale, page_size=page_size, dtype=dtype)
     kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
