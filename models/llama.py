@@ -103,7 +103,7 @@ class Attention(nnx.Module):
         values = values.write_slots(step.slots, v[0])
         out = paged_attention(q[0], keys.data, values.data, k_scale=keys.scale, v_scale=values.scale,
                               page_size=step.page_size, token_rows=step.token_rows, positions=positions,
-                              block_tables=step.block_tables, dtype=self.dtype)
+                              block_tables=step.block_tables, dtype=self.dtype, row_tokens=step.row_tokens)
         return self.o_proj(out[None]), keys, values
 
 
@@ -149,13 +149,15 @@ class PackedStep:
     """Where a packed step's tokens go and what they read (all int32 device arrays).
 
     ``slots`` [T]: each token's slot in the pool (its key/value is written there);
-    ``token_rows`` [T]: which row of ``block_tables`` [R, W] is the token's sequence. Padding tokens
-    write to the scratch page 0 and belong to any row; their outputs are ignored.
+    ``token_rows`` [T]: which row of ``block_tables`` [R, W] is the token's sequence;
+    ``row_tokens`` [R, Wq]: the inverse, each row's tokens' packed indices in order (T pads).
+    Padding tokens write to the scratch page 0 and belong to any row; their outputs are ignored.
     """
 
     slots: jax.Array
     token_rows: jax.Array
     block_tables: jax.Array
+    row_tokens: jax.Array
     page_size: int
 
 
@@ -268,28 +270,30 @@ class CausalLM(nnx.Module):
         return PagedKVCache([k for k, _ in pairs], [v for _, v in pairs], page_size)
 
     def forward_packed(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
-                       token_rows: jax.Array, block_tables: jax.Array, logit_index: jax.Array | None = None):
+                       token_rows: jax.Array, block_tables: jax.Array, row_tokens: jax.Array,
+                       logit_index: jax.Array | None = None):
         """Forward over a page pool for tokens of many sequences packed into one row (the engine's step).
 
-        ``input_ids``, ``positions``, ``slots``, ``token_rows``: [T]; ``block_tables`` [R, W]. Token t
+        ``input_ids``, ``positions``, ``slots``, ``token_rows``: [T]; ``block_tables`` [R, W];
+        ``row_tokens`` [R, Wq] (row r's tokens' packed indices in order, T for padding). Token t
         is sequence ``token_rows[t]``'s token at ``positions[t]``; its key/value go to ``slots[t]``
         (``block_table[p // page] * page + p % page``) and it attends over its sequence's positions
         0..positions[t]. Returns ``(logits, cache)``: logits [T, vocab], or [len(logit_index), vocab]
         for the tokens ``logit_index`` names (each row's last). Pure and jit-compatible; donate ``cache``.
         """
         args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(token_rows),
-                jnp.asarray(block_tables))
+                jnp.asarray(block_tables), jnp.asarray(row_tokens))
         if logit_index is not None:
             args += (jnp.asarray(logit_index),)
         if self.mesh is None:
             return self._forward_packed(*args)
         cache_specs = jax.tree.map(lambda _: parallel.PAGED_CACHE_SPEC, cache)
-        specs = (P(), P(), cache_specs, P(), P(), P()) + ((P(),) if logit_index is not None else ())
+        specs = (P(), P(), cache_specs, P(), P(), P(), P()) + ((P(),) if logit_index is not None else ())
         return parallel.run_sharded(self, CausalLM._forward_packed, self.mesh, args, specs, (P(), cache_specs))
 
-    def _forward_packed(self, input_ids, positions, cache: PagedKVCache, slots, token_rows, block_tables,
+    def _forward_packed(self, input_ids, positions, cache: PagedKVCache, slots, token_rows, block_tables, row_tokens,
                         logit_index=None):
-        step = PackedStep(slots, token_rows, block_tables, cache.page_size)
+        step = PackedStep(slots, token_rows, block_tables, row_tokens, cache.page_size)
         x = self.embed_tokens(input_ids[None])
         keys, values = list(cache.keys), list(cache.values)
         for i, layer in enumerate(self.layers):
@@ -309,9 +313,10 @@ class CausalLM(nnx.Module):
         input_ids, positions, slots = jnp.asarray(input_ids), jnp.asarray(positions), jnp.asarray(slots)
         b, t = input_ids.shape
         rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+        row_tokens = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
         index = None if logit_positions is None else jnp.arange(b) * t + jnp.asarray(logit_positions)
         logits, cache = self.forward_packed(input_ids.reshape(-1), positions.reshape(-1), cache, slots.reshape(-1),
-                                            rows, block_tables, index)
+                                            rows, block_tables, row_tokens, index)
         return logits.reshape(b, -1, logits.shape[-1]), cache
 
 

@@ -50,14 +50,17 @@ def _case(seed, *, heads, kv_heads, head_dim, page, lengths_and_new, pool_dtype,
     else:
         k_pool, v_pool = (values[i].astype(jnp.dtype(pool_dtype)) for i in (0, 1))
     token_rows, positions = [], []
+    row_tokens = np.full((rows, 1 << max(n for _, n in lengths_and_new).bit_length()), -1, np.int32)
     for r, (ctx, new) in enumerate(lengths_and_new):
+        row_tokens[r, :new] = np.arange(len(positions), len(positions) + new)
         token_rows += [r] * new
         positions += list(range(ctx - new, ctx))
     t = len(positions)
+    row_tokens[row_tokens < 0] = t  # padding
     q = (rng.standard_normal((t, heads, head_dim)) * 1.5).astype(np.float32).astype(jnp.dtype(dtype))
     return dict(q=q, k_pool=k_pool, v_pool=v_pool, k_scale=k_scale, v_scale=v_scale, page_size=page,
                 token_rows=np.asarray(token_rows, np.int32), positions=np.asarray(positions, np.int32),
-                block_tables=tables, dtype=dtype)
+                block_tables=tables, dtype=dtype, row_tokens=row_tokens)
 
 
 def _decoded(pool, scale, dtype) -> np.ndarray:
@@ -65,7 +68,7 @@ def _decoded(pool, scale, dtype) -> np.ndarray:
     return x.astype(jnp.dtype(dtype)).astype(np.float64)
 
 
-def _reference(c) -> np.ndarray:
+def _reference(c) -> np.ndarray:  # row_tokens only says where tokens are; the reference does not need it
     k = _decoded(c["k_pool"], c["k_scale"], c["dtype"])
     v = _decoded(c["v_pool"], c["v_scale"], c["dtype"])
     q = np.asarray(c["q"], np.float64)
@@ -104,12 +107,16 @@ def _tolerance(dtype, pool_dtype):
 @pytest.mark.parametrize("pool_dtype,dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
                                               ("float8_e4m3fn", "float32"), ("float8_e4m3fn", "bfloat16")])
 @pytest.mark.parametrize("shape", range(len(CASES)))
-def test_xla_paged_attention_matches_float64(shape, pool_dtype, dtype):
+@pytest.mark.parametrize("per_row", [True, False])
+def test_xla_paged_attention_matches_float64(shape, pool_dtype, dtype, per_row):
+    """Per row (the engine's prompt steps) and per token / flat (chosen by cost without ``row_tokens``)."""
     heads, kv_heads, head_dim, page, rows = CASES[shape]
     c = _case(shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
               pool_dtype=pool_dtype, dtype=dtype)
-    got = np.asarray(paged_attention(**{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()},
-                                     backend="xla"), np.float64)
+    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    if not per_row:
+        args["row_tokens"] = None
+    got = np.asarray(paged_attention(**args, backend="xla"), np.float64)
     want = _reference(c)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     # float32 einsums: exact-ish on CPU; on a GPU, XLA's default precision is TF32 (10-bit mantissa)

@@ -60,12 +60,14 @@ class Runner:
         self.shapes: set[tuple[int, ...]] = set()  # (tokens, rows, table width, logprobs...) compiled so far
 
     def _step_fn(self, num_logprobs, prompt_logprobs, state, cache, ids, positions, slots, token_rows, block_tables,
-                 last, next_ids, temps, top_k, top_p, row_keys, counters):
+                 row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters):
         if prompt_logprobs is None:
-            logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables, last)
+            logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables, row_tokens,
+                                          last)
             prompt = None
         else:
-            all_logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables)
+            all_logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables,
+                                              row_tokens)
             logits = all_logits[last]
             prompt = token_logprobs(all_logits, next_ids, prompt_logprobs)
         keys = jax.vmap(jax.random.fold_in)(row_keys, counters)
@@ -84,10 +86,11 @@ class Runner:
         total = sum(n for _, n in batch)
         decode = total == len(batch)
         tokens_b = bucket(total, 16)
-        # Prompt steps: rows unpadded (to a power of two), since XLA's prompt attention scores every
-        # token against every row's context (R x S keys; 8 padded rows made it 4x the keys needed).
+        # Prompt steps: rows unpadded (to a power of two); each costs XLA's prompt attention a
+        # [row width x S] block.
         rows = bucket(len(batch), 8 if decode else 1)
         longest = max(len(r.pages) for r, _ in batch)
+        row_width = 1 if decode else bucket(max(n for _, n in batch), 16)  # tokens per row, prompt steps
         width = self.fixed_table_width if decode and self.fixed_table_width is not None else bucket(longest, 8)
         ids = np.full(tokens_b, self.pad_id, np.int32)
         positions = np.zeros(tokens_b, np.int32)
@@ -95,6 +98,7 @@ class Runner:
         token_rows = np.zeros(tokens_b, np.int32)
         next_ids = np.zeros(tokens_b, np.int32)
         tables = np.zeros((rows, width), np.int32)
+        row_tokens = np.full((rows, row_width), tokens_b, np.int32)  # tokens_b: padding
         last = np.zeros(rows, np.int32)
         temps = np.zeros(rows, np.float32)
         top_k = np.full(rows, -1, np.int32)
@@ -113,6 +117,7 @@ class Runner:
             tables[b, :len(table)] = table
             slots[span] = table[pos // page] * page + pos % page
             token_rows[span] = b
+            row_tokens[b, :n] = np.arange(offset, offset + n)
             last[b] = offset + n - 1
             temps[b], top_k[b], top_p[b] = r.params.temperature, r.params.top_k, r.params.top_p
             row_keys[b] = r.row_key
@@ -124,10 +129,10 @@ class Runner:
                 next_ids[span][inside] = [r.prompt_ids[p] for p in nxt[inside]]
             offset += n
         num_logprobs = max((r.params.logprobs or 0) for r, _ in batch)
-        self.shapes.add((tokens_b, rows, width, num_logprobs, prompt_k))
+        self.shapes.add((tokens_b, rows, width, row_width, num_logprobs, prompt_k))
         tokens, (chosen, top_v, top_i), prompt, self.cache = self._step(
-            num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, token_rows, tables, last, next_ids,
-            temps, top_k, top_p, row_keys, counters)
+            num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last,
+            next_ids, temps, top_k, top_p, row_keys, counters)
         tokens, chosen, top_v, top_i, prompt = jax.device_get((tokens, chosen, top_v, top_i, prompt))
         if prompt is not None:  # per row: its tokens' (chosen, top values, top ids)
             starts = np.concatenate([[0], np.cumsum([n for _, n in batch])])

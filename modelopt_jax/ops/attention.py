@@ -46,14 +46,17 @@ def _decode(stored: jax.Array, scale: float | None, dtype) -> jax.Array:
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_scale: float | None,
                     v_scale: float | None, page_size: int, token_rows: jax.Array, positions: jax.Array,
-                    block_tables: jax.Array, dtype, backend: str = "auto",
+                    block_tables: jax.Array, dtype, row_tokens: jax.Array | None = None, backend: str = "auto",
                     out_init: jax.Array | None = None) -> jax.Array:
     """Each token's attention over its sequence's cached keys/values up to its own position.
 
     ``q`` [T, H, D] (RoPE applied); pools [slots, KV, D] already holding this step's keys/values;
     token t belongs to row ``token_rows[t]`` of ``block_tables`` [R, W] and sits at ``positions[t]``,
     so it sees that row's positions 0..positions[t]. ``k_scale``/``v_scale`` are the FP8 pages'
-    static scales (None for bf16/f16 pages). Returns [T, H * D] in ``dtype``. ``backend``: "auto"
+    static scales (None for bf16/f16 pages). ``row_tokens`` [R, Wq] (optional): the packed index of
+    each row's tokens in order, T for padding -- with it, XLA lays prompt chunks out per row
+    ([R, Wq] queries against each row's own [S] keys) instead of scoring every token against every
+    row's keys. Returns [T, H * D] in ``dtype``. ``backend``: "auto"
     (the CUDA kernel where it is built, the shapes qualify and the step is decode-like -- at most
     two tokens per row: the kernel reads each token's pages separately, which prompt chunks of
     many tokens per sequence would re-read; XLA's batched matmuls serve those), "xla" or "kernel". ``out_init``
@@ -63,7 +66,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     decode_like = q.shape[0] <= 2 * block_tables.shape[0]
     if backend == "xla" or (backend == "auto" and not (decode_like and _kernel_qualifies(q, k_pool, dtype))):
         return _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
-                                    v_scale=v_scale, page_size=page_size, dtype=dtype)
+                                    v_scale=v_scale, page_size=page_size, dtype=dtype, row_tokens=row_tokens)
     kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
                                dtype=dtype, out_init=out_init)
     operands = (q, k_pool, v_pool, token_rows, positions, block_tables)
@@ -136,13 +139,14 @@ def _sm_count() -> int:
 
 
 def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                         dtype):
-    """XLA: gather the rows' pages, mask by row and position, softmax as :func:`causal_attention`.
+                         dtype, row_tokens=None):
+    """XLA: gather the rows' pages, mask by position (and row), softmax as :func:`causal_attention`.
 
-    Two layouts, chosen by static cost: per token (each token gathers its own row's context:
-    T x S keys; right for decode steps, one token per row) or flat (the R rows' contexts gathered
-    once, R x S keys, every token scored against all of them and masked to its own row; right for
-    prompt chunks, many tokens per row).
+    Three layouts: per row (``row_tokens`` given: each row's [Wq] queries against its own [S]
+    keys; prompt chunks), per token (each token gathers its own row's context: T x S keys; decode
+    steps, one token per row) or flat (the R rows' contexts gathered once, every token scored
+    against all R x S keys and masked to its own row; prompt chunks when rows are not given). The
+    latter two are chosen by static cost.
     """
     t, h, d = q.shape
     kv = k_pool.shape[1]
@@ -151,6 +155,16 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
     s = width * page_size
     slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size, dtype=block_tables.dtype)).reshape(rows, s)
     key_pos = jnp.arange(s, dtype=positions.dtype)
+    if row_tokens is not None and row_tokens.shape[1] > 1:  # per row
+        q_rows = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])[row_tokens]             # [R, Wq, H, D]
+        q_pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[row_tokens]  # padding: -1
+        k = _decode(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]
+        v = _decode(v_pool[slots], v_scale, dtype)
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]                        # [R, 1, Wq, S]
+        out_rows = causal_attention(q_rows, k, v, mask)                                        # [R, Wq, H * D]
+        out = jnp.zeros((t + 1, h * d), out_rows.dtype).at[row_tokens.reshape(-1)].set(
+            out_rows.reshape(-1, h * d), mode="drop")
+        return out[:t]
     if rows * g >= d:  # per token: [T, S] keys, mask by position
         tok_slots = slots[token_rows]
         k = _decode(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
