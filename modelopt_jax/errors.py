@@ -52,6 +52,26 @@ class UnsupportedModelError(ConfigError):
     """The architecture (or one of its options) is not implemented."""
 
 
+class InvalidArgumentError(ModelOptJaxError, ValueError):
+    """An argument of ``LLM(...)``, ``load(...)`` or the CLI is out of range or names nothing usable."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type or is not a known keyword."""
+
+
+class RequestError(InvalidArgumentError):
+    """A generation request is malformed: a prompt, a sampling parameter or a generate() argument.
+
+    Raised when the request object is built (``SamplingParams(...)``) or when ``generate`` reads
+    its arguments, before any work starts; the message names the argument.
+    """
+
+
+class RequestTypeError(RequestError, ArgumentTypeError):
+    """A request argument has the wrong type (e.g. ``seed="abc"``, ``generate(None)``)."""
+
+
 class BackendUnavailableError(ModelOptJaxError, RuntimeError):
     """The requested GEMM backend cannot run here (not built, or no device for it)."""
 

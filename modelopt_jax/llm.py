@@ -19,8 +19,9 @@ import numpy as np
 
 from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.demo import demo_checkpoint_path
-from modelopt_jax.errors import ConfigError
 from modelopt_jax.engine import Engine, EngineConfig, RequestOutput
+from modelopt_jax.errors import (ArgumentTypeError, CheckpointError, ConfigError, InvalidArgumentError, RequestError,
+                                 RequestTypeError)
 from modelopt_jax.engine.request import Request
 from modelopt_jax.checkpoint.hf_config import eos_ids
 from modelopt_jax.loader import WeightCacheOptions, load
@@ -69,7 +70,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 2048,
                  **unknown: Any):
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
+            raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
                             f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
                             f"weight_cache_timeout, kv_cache_memory_fraction, kv_cache_bytes, max_num_seqs, "
@@ -77,10 +78,23 @@ class LLM:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                                      kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes)
         if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
+            raise InvalidArgumentError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or \
+                tensor_parallel_size < 1:
+            raise InvalidArgumentError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
         self.path = os.fspath(model) if model is not None else demo_checkpoint_path()
-        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         ckpt = Checkpoint.open(self.path)  # opened once: load() takes it from here
+        # Arguments that only the config bounds are checked before the weights load.
+        limit = ckpt.model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 4096)
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer)) or \
+                not 1 < max_model_len <= limit:
+            raise InvalidArgumentError(f"max_model_len={max_model_len!r} must be an integer in [2, {limit}] (the "
+                                       f"model's max_position_embeddings), or None for min({limit}, 4096)")
+        self.max_model_len = int(max_model_len)
+        tokenizer_path = self._tokenizer_path(tokenizer)
+        self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         if quantization == "modelopt":
             if not ckpt.quant_config.is_quantized:
                 raise ConfigError(f"{self.path}: quantization='modelopt' but this is not a ModelOpt checkpoint "
@@ -96,13 +110,7 @@ class LLM:
                           weight_cache=WeightCacheOptions(weight_cache, None if weight_cache_dir is None else
                                                           os.fspath(weight_cache_dir), weight_cache_timeout))
         self.load_seconds = time.perf_counter() - t0
-        cfg = self.model.config
-        limit = cfg.max_position_embeddings
-        self.max_model_len = int(max_model_len or min(limit, 4096))
-        if not 1 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
-                             f"(the model's max_position_embeddings)")
-        self.tokenizer = self._load_tokenizer(tokenizer)
+        self.tokenizer = self._load_tokenizer(tokenizer_path)
         self.eos_token_ids = eos_ids(self.path)
         self.engine = Engine(self.model, max_model_len=self.max_model_len, config=engine_config,
                              pad_id=self.model.config.pad_token_id or 0)
@@ -113,61 +121,107 @@ class LLM:
         """What was asked for (``model.kv_cache`` says what it resolved to)."""
         return self.model.kv_cache.requested
 
-    def _load_tokenizer(self, tokenizer):
-        path = os.fspath(tokenizer) if tokenizer is not None else os.path.join(self.path, "tokenizer.json")
+    def _tokenizer_path(self, tokenizer) -> str | None:
+        """The tokenizer.json to use: ``tokenizer=`` (a file or a directory holding one) must exist;
+        without it, the checkpoint's own, if it has one (else prompts must be token ids)."""
+        if tokenizer is None:
+            path = os.path.join(self.path, "tokenizer.json")
+            return path if os.path.isfile(path) else None
+        path = os.fspath(tokenizer)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(path):
+        if not os.path.isfile(path):
+            raise InvalidArgumentError(f"tokenizer={os.fspath(tokenizer)!r}: no tokenizer.json there (pass the file "
+                                       f"or a directory holding it)")
+        return path
+
+    @staticmethod
+    def _load_tokenizer(path: str | None):
+        if path is None:
             return None
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(path)
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from e
 
     # ---- request handling -----------------------------------------------------------------------
-    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+    def _encode(self, index: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise RequestTypeError(f"prompt {index}: 'prompt' must be a string, got {type(prompt).__name__}")
+            elif keys == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise RequestTypeError(f"prompt {index}: 'prompt_token_ids' must be a list of token ids, not a str")
+            else:
+                raise RequestError(f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
+                                   f"'prompt_token_ids' (ids); got keys {sorted(map(str, keys))}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.path} has no tokenizer.json: pass token-id lists instead of strings")
+                raise RequestError(f"prompt {index} is text but {self.path} has no tokenizer.json: pass token-id "
+                                   f"lists, or LLM(..., tokenizer=...)")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
             bos = self.model.config.bos_token_id
             if bos is not None and ids and ids[0] != bos:
                 ids = [bos] + ids  # tokenizers that add no BOS themselves (e.g. the byte-level demo)
             return prompt, ids
         if isinstance(prompt, (list, tuple, np.ndarray)) and all(
-                isinstance(t, (int, np.integer)) for t in prompt):
+                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
             return None, [int(t) for t in prompt]
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise RequestTypeError(f"prompt {index} must be a string, a list of token ids or a dict with 'prompt' / "
+                               f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, **unknown: Any) -> list[RequestOutput]:
-        """Generates for one prompt or a list (strings or token-id lists); returns one output each, in order.
+        """Generates for one prompt or a list; returns one output each, in order.
 
-        ``use_tqdm`` shows a progress bar over finished requests (on stderr, when tqdm is installed).
+        A prompt is a string, a list of token ids, or vLLM's dict form (``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``). ``sampling_params``: one :class:`SamplingParams` for all, or
+        one per prompt. ``use_tqdm`` shows a progress bar over finished requests (on stderr, when
+        tqdm is installed). Bad input raises :class:`~modelopt_jax.errors.RequestError` (a
+        ``ValueError``; ``RequestTypeError`` for wrong types) before any work starts.
         """
         if unknown:
-            raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
-        # One prompt: a string or a flat sequence of ids. A 1-D numpy array counts too (``_encode``
-        # accepts arrays; without this, a single array prompt was split into one-int "prompts" and
-        # failed with "got int64").
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
-                                              and isinstance(prompts[0], (int, np.integer)))
+            raise RequestTypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
+        # One prompt: a string, a dict, or a flat sequence of ids. A 1-D numpy array counts too
+        # (without this, a single array prompt was split into one-int "prompts" and failed).
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
+                                                      and isinstance(prompts[0], (int, np.integer)))
+        if not single and not isinstance(prompts, (list, tuple, np.ndarray)):
+            raise RequestTypeError(f"generate(prompts): a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
         if not prompts:
-            raise ValueError("no prompts given")
+            raise RequestError("generate(prompts): no prompts given")
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise RequestTypeError(f"sampling_params{'' if len(params) == 1 else f'[{i}]'} must be a "
+                                       f"SamplingParams, got {type(p).__name__}")
         if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
+            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
         vocab = self.model.config.vocab_size
         for i, (_, ids) in enumerate(encoded):
             if not ids:
-                raise ValueError(f"prompt {i} is empty (no tokens)")
+                raise RequestError(f"prompt {i} is empty (no tokens)")
             if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                                 f"room to generate")
+                raise RequestError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                                   f"room to generate")
             if min(ids) < 0 or max(ids) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+                raise RequestError(f"prompt {i} has token ids outside [0, {vocab})")
+        for i, p in enumerate(params):
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(p, name) or 0) > vocab:
+                    raise RequestError(f"sampling_params: {name}={getattr(p, name)} exceeds the vocabulary ({vocab})")
+            if any(t >= vocab for t in p.stop_token_ids):
+                raise RequestError(f"sampling_params: stop_token_ids {list(p.stop_token_ids)} reach outside the "
+                                   f"vocabulary [0, {vocab})")
         requests = [self._request(i, text, ids, p) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
         outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
         self.last_stats = self.engine.last_stats

@@ -9,10 +9,15 @@ which is what scoring text needs.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from modelopt_jax.errors import RequestError, RequestTypeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,18 +42,48 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        """Every field checked here, so a bad value fails when the request is built, naming the field."""
+        _integer("max_tokens", self.max_tokens, low=1)
+        _real("temperature", self.temperature)
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise RequestError(f"SamplingParams: temperature must be >= 0, got {self.temperature!r}")
+        _integer("top_k", self.top_k)
+        _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+            raise RequestError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _integer("seed", self.seed, low=-(1 << 63), high=(1 << 64) - 1)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise RequestTypeError(f"SamplingParams: stop_token_ids must be a sequence of token ids, "
+                                   f"got {type(self.stop_token_ids).__name__}")
+        stop = tuple(self.stop_token_ids)
+        for t in stop:
+            _integer("stop_token_ids[...]", t, low=0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise RequestTypeError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            if value is not None:
+                _integer(name, value, low=0, high=MAX_LOGPROBS)
+
+
+MAX_LOGPROBS = 1024  # alternatives per position at most (the vocabulary bounds it further, at generate)
+
+
+def _integer(name: str, value, *, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise RequestTypeError(f"SamplingParams: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = ("a positive integer" if low == 1 else f">= {low}") if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"SamplingParams: {name} must be {bounds}, got {value!r}")
+
+
+def _real(name: str, value) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestTypeError(f"SamplingParams: {name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise RequestError(f"SamplingParams: {name} must be finite, got {value!r}")
 
 
 def _sample_row(logits, temperature, top_k, top_p, key):

@@ -53,3 +53,37 @@ def test_generate_bad_input_is_a_clear_error():
     run = subprocess.run([sys.executable, "-m", "modelopt_jax", "generate", "--max-tokens", "0", "--quiet"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "max_tokens must be a positive integer" in run.stderr
+
+
+def test_generate_several_prompts_with_logprobs(capsys):
+    """--prompt and --ids repeat (one batch, outputs in order); --logprobs prints each token's entry."""
+    assert main(["generate", "--prompt", "Mr. Darcy", "--prompt", "Emma", "--ids", "1,72,101", "--max-tokens", "3",
+                 "--ignore-eos", "--logprobs", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    blocks = out.strip().split("\n\n")
+    assert len(blocks) == 3 and blocks[0].startswith("Mr. Darcy") and blocks[1].startswith("Emma")
+    assert out.count("logprob") == 9 and "top:" in out
+
+
+def test_generate_arguments_fail_before_the_load(capsys, monkeypatch):
+    """Bad sampling values and malformed --ids are typed errors, reported before any inspect/load output."""
+    import modelopt_jax.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    for argv, message in [(["--ids", ""], "--ids '': expected comma-separated integers"),
+                          (["--ids", "1,x"], "--ids '1,x'"),
+                          (["--top-p", "0"], "top_p must be in (0, 1]"),
+                          (["--logprobs", "-1"], "logprobs must be in [0, 1024]"),
+                          (["--stop-token-ids", "-5"], "stop_token_ids[...] must be >= 0")]:
+        assert main(["generate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "[load]" not in err and "quant_algo" not in err, (argv, err)
+
+
+def test_generate_help_shows_defaults(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 64)" in out and "{off,auto,require}" in out

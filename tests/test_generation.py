@@ -25,7 +25,8 @@ import pytest
 import modelopt_jax
 from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams, init_cache, make_cached_forward
-from modelopt_jax.errors import ConfigError
+from modelopt_jax.errors import (CheckpointError, ConfigError, InvalidArgumentError, ModelOptJaxError, RequestError,
+                                 RequestTypeError)
 from modelopt_jax.ops.quantize import fake_quantize_static, quantize_static
 from modelopt_jax.sampling import sample
 
@@ -550,8 +551,73 @@ def test_string_prompt_without_tokenizer_raises(tmp_path):
     assert llm.tokenizer is None
     with pytest.raises(ValueError, match="tokenizer.json"):
         llm.generate("hello")
-    with pytest.raises(TypeError, match="string or a list of token ids"):
+    with pytest.raises(RequestTypeError, match="prompt 0 must be a string, a list of token ids"):
         llm.generate([1.5])
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"seed": "abc"}, RequestTypeError), ({"seed": 1.0}, RequestTypeError), ({"seed": 1 << 64}, RequestError),
+    ({"top_k": 1.5}, RequestTypeError), ({"max_tokens": True}, RequestTypeError), ({"max_tokens": "3"}, RequestTypeError),
+    ({"ignore_eos": 1}, RequestTypeError), ({"stop_token_ids": "ab"}, RequestTypeError),
+    ({"stop_token_ids": [3, -1]}, RequestError), ({"temperature": float("nan")}, RequestError),
+    ({"temperature": "hot"}, RequestTypeError), ({"top_p": float("inf")}, RequestError),
+    ({"logprobs": -1}, RequestError), ({"logprobs": 5000}, RequestError), ({"prompt_logprobs": 2.0}, RequestTypeError)])
+def test_sampling_params_are_checked_when_built(kwargs, error):
+    """Each bad field fails at construction with a typed error naming it (ValueError/TypeError compatible)."""
+    with pytest.raises(error, match=next(iter(kwargs)).split("_ids")[0]) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ModelOptJaxError)
+    assert SamplingParams(seed=(1 << 64) - 1, stop_token_ids=np.array([1, 2])).stop_token_ids == (1, 2)
+
+
+def test_generate_arguments_are_checked(bf16):
+    with pytest.raises(RequestTypeError, match="a prompt or a list of prompts, got NoneType"):
+        bf16.generate(None)
+    with pytest.raises(RequestTypeError, match="sampling_params must be a SamplingParams, got dict"):
+        bf16.generate([1, 2, 3], {"max_tokens": 3})
+    with pytest.raises(RequestTypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
+        bf16.generate([[1, 2], [3, 4]], [SamplingParams(), None])
+    with pytest.raises(RequestError, match="logprobs=1000 exceeds the vocabulary"):
+        bf16.generate([1, 2, 3], SamplingParams(logprobs=1000))
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        bf16.generate([1, 2, 3], SamplingParams(stop_token_ids=[10_000]))
+    with pytest.raises(RequestError, match=r"exactly one of 'prompt'.*got keys \['text'\]"):
+        bf16.generate({"text": "hi"})
+    with pytest.raises(RequestTypeError, match="prompt 1: 'prompt' must be a string"):
+        bf16.generate([{"prompt_token_ids": [1, 2]}, {"prompt": [1, 2]}])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"max_model_len": 0}, "max_model_len=0 must be an integer in \\[2, 512\\]"),
+    ({"max_model_len": 4096}, "max_model_len=4096 must be"), ({"max_model_len": 100.0}, "max_model_len=100.0"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive integer"),
+    ({"tokenizer": "/nonexistent/tok"}, "tokenizer='/nonexistent/tok': no tokenizer.json there"),
+    ({"quantization": "gptq"}, "quantization='gptq' not supported")])
+def test_llm_arguments_are_checked_before_the_weights_load(kwargs, match, monkeypatch):
+    """Each fails with a typed error naming the argument, and before any weight is read."""
+    import modelopt_jax.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "load", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(InvalidArgumentError, match=match):
+        LLM(None, compilation_cache_dir=None, **kwargs)
+
+
+def test_a_corrupt_tokenizer_is_a_checkpoint_error_naming_the_file(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(CheckpointError, match=f"{bad}: not a readable tokenizer.json"):
+        LLM(None, tokenizer=str(tmp_path), max_model_len=64, compilation_cache_dir=None)
+
+
+def test_dict_prompts_are_vllm_text_and_token_prompts(demo_bf16):
+    """``{"prompt": text}`` is that text (it used to iterate the dict's keys and continue the word
+    "prompt"); ``{"prompt_token_ids": ids}`` is those ids."""
+    params = SamplingParams(max_tokens=6)
+    (text,) = demo_bf16.generate("Elizabeth", params, use_tqdm=False)
+    (as_dict,) = demo_bf16.generate({"prompt": "Elizabeth"}, params, use_tqdm=False)
+    assert as_dict.token_ids == text.token_ids and as_dict.prompt == "Elizabeth"
+    both = demo_bf16.generate([{"prompt_token_ids": text.prompt_token_ids}, "Elizabeth"], params, use_tqdm=False)
+    assert [o.token_ids for o in both] == [text.token_ids] * 2
 
 
 # ------------------------------------------------------------------------------------------------
