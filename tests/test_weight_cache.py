@@ -113,7 +113,7 @@ def test_socket_and_lock_permissions_single_instance(fp8_daemon):
     assert stat.S_IMODE(os.stat(fp8_daemon.sock).st_mode) == 0o600
     second = DaemonProcess(fixture_dir("qwen2-bytes-fp8"), fp8_daemon.dir, wait=False)
     assert second.proc.wait(60) != 0
-    assert "already serves device 0" in second.proc.stdout.read()
+    assert "already serves device 0" in second.output()
     assert request("status", socket_dir=fp8_daemon.dir)["ok"]  # the first one is untouched
 
 

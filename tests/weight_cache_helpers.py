@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 from modelopt_jax.errors import WeightCacheError
@@ -29,6 +30,12 @@ class DaemonProcess:
                *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
+        # Drain the daemon's log as it comes: a pipe nobody reads fills at 64 KB, and a daemon that
+        # logs (every refused or malformed request does) then blocks in write() and stops answering.
+        self._log: list[str] = []
+        self._drain = threading.Thread(target=lambda: self._log.extend(iter(self.proc.stdout.readline, "")),
+                                       daemon=True)
+        self._drain.start()
         if wait:
             try:
                 self.wait_ready()
@@ -41,7 +48,7 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         while True:  # a stale socket of a killed daemon may exist: wait until *this* one answers
             if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.output()}")
             try:
                 reply = request("status", socket_dir=self.dir, device=self.device, timeout=5)
                 if reply.get("pid") == self.proc.pid or (self.prefix and reply.get("ok")):
@@ -63,4 +70,10 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.stdout.read()
+        return self.output()
+
+    def output(self) -> str:
+        """The daemon's log so far (all of it once the process has exited)."""
+        if self.proc.poll() is not None:
+            self._drain.join(timeout=10)
+        return "".join(self._log)

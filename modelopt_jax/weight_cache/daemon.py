@@ -193,6 +193,7 @@ class Daemon:
         self.listener = listener
 
     def serve_forever(self) -> None:
+        failures, last_logged = 0, 0.0
         while not self.stop_event.is_set():
             try:
                 conn, _ = self.listener.accept()
@@ -201,8 +202,13 @@ class Daemon:
             except OSError as e:
                 if self.stop_event.is_set() or self.listener is None:
                     break
-                # EMFILE/ENFILE/ENOBUFS/ENOMEM/ECONNABORTED: this connection is lost, the daemon is not
-                log.warning("accept failed (%s); still serving", errno.errorcode.get(e.errno, e))
+                # EMFILE/ENFILE/ENOBUFS/ENOMEM/ECONNABORTED: this connection is lost, the daemon is not.
+                # Logged at most once a second: a full fd table fails every 50 ms until it drains.
+                failures += 1
+                if time.monotonic() - last_logged >= 1.0:
+                    log.warning("accept failed (%s, %d time(s) since the last report); still serving",
+                                errno.errorcode.get(e.errno, e), failures)
+                    failures, last_logged = 0, time.monotonic()
                 time.sleep(0.05)
                 continue
             try:
