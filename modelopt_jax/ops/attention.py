@@ -73,7 +73,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     if backend == "kernel":
         return kernel(*operands)
     xla = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
-                            dtype=dtype)
+                            dtype=dtype, row_tokens=row_tokens)
     return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 
 
