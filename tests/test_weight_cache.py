@@ -348,13 +348,21 @@ def test_peer_uid_refused(tmp_path):
     assert daemon.proc.returncode == 0
 
 
-def test_daemon_sigkilled_during_attach(tmp_path):
+def test_daemon_sigkilled_during_attach(tmp_path, monkeypatch):
     """The daemon dies while a client waits for its attach reply: a prompt error, or the disk."""
     path = fixture_dir("qwen2-bytes-fp8")
     daemon = DaemonProcess(path, tmp_path / "sock")
     pid = request("status", socket_dir=daemon.dir)["pid"]
     os.kill(pid, signal.SIGSTOP)  # holds the attach between connect and reply
     results = {}
+    waiting = threading.Semaphore(0)  # released by each client as it starts waiting for its reply
+    recv = protocol.recv
+
+    def counting_recv(*args, **kwargs):
+        waiting.release()
+        return recv(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "recv", counting_recv)
 
     def attach(mode):
         try:
@@ -366,8 +374,9 @@ def test_daemon_sigkilled_during_attach(tmp_path):
     threads = [threading.Thread(target=attach, args=(m,)) for m in ("require", "auto")]
     for t in threads:
         t.start()
-    time.sleep(1.5)
-    assert all(t.is_alive() for t in threads)  # both are inside the attach
+    for _ in threads:  # both have sent their attach and wait for the reply (however loaded the machine is)
+        assert waiting.acquire(timeout=120)
+    assert all(t.is_alive() for t in threads)
     t0 = time.monotonic()
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait(10)
