@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from modelopt_jax.dtypes import COMPUTE_DTYPES, kv_cache_dtype_name
-from modelopt_jax.ops.quantize import dequantize_static, fake_quantize_static, quantize_static
+from modelopt_jax.ops.quantize import decode_stored, fake_quantize_static, quantize_static
 
 FP8 = "float8_e4m3fn"
 
@@ -105,7 +105,7 @@ class KVBuffer:
 
     def _decode(self, stored: jax.Array, dtype) -> jax.Array:
         """Values of stored entries in ``dtype`` (code * scale for FP8: dequantize on read)."""
-        return dequantize_static(stored, self.scale, dtype) if self.scale is not None else stored.astype(dtype)
+        return decode_stored(stored, self.scale, dtype)
 
     def write(self, rows: jax.Array, positions: jax.Array, x: jax.Array) -> "KVBuffer":
         """``x`` [B, T, kv_heads, head_dim] stored at ``positions`` [B, T] of each row (quantized if FP8)."""
@@ -122,10 +122,6 @@ class KVBuffer:
         per 268 MB layer pool here), which is why the engine's default pool on CPU is small.
         """
         return KVBuffer(self.data.at[slots].set(self._encode(x)), self.scale)
-
-    def read_slots(self, slots: jax.Array, dtype) -> jax.Array:
-        """The values at ``slots`` (any shape S) -> S + [kv_heads, head_dim] in ``dtype``."""
-        return self._decode(self.data[slots], dtype)
 
     # array-like views, for inspection
     @property

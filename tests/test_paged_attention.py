@@ -63,6 +63,15 @@ def _case(seed, *, heads, kv_heads, head_dim, page, lengths_and_new, pool_dtype,
                 block_tables=tables, dtype=dtype, row_tokens=row_tokens)
 
 
+STATIC = ("k_scale", "v_scale", "page_size", "dtype")
+
+
+def _split(c) -> tuple[dict, dict]:
+    """A case as paged_attention's (array arguments, as jax arrays; static arguments)."""
+    arrays = {k: jnp.asarray(v) for k, v in c.items() if k not in STATIC}
+    return arrays, {k: c[k] for k in STATIC}
+
+
 def _decoded(pool, scale, dtype) -> np.ndarray:
     x = pool.astype(np.float32) * np.float32(scale) if scale is not None else pool.astype(np.float32)
     return x.astype(jnp.dtype(dtype)).astype(np.float64)
@@ -113,10 +122,10 @@ def test_xla_paged_attention_matches_float64(shape, pool_dtype, dtype, per_row):
     heads, kv_heads, head_dim, page, rows = CASES[shape]
     c = _case(shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
               pool_dtype=pool_dtype, dtype=dtype)
-    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    args, static = _split(c)
     if not per_row:
         args["row_tokens"] = None
-    got = np.asarray(paged_attention(**args, backend="xla"), np.float64)
+    got = np.asarray(paged_attention(**args, **static, backend="xla"), np.float64)
     want = _reference(c)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     # float32 einsums: exact-ish on CPU; on a GPU, XLA's default precision is TF32 (10-bit mantissa)
@@ -141,11 +150,10 @@ def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype,
     heads, kv_heads, head_dim, page, rows = cases[shape]
     c = _case(10 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
               pool_dtype=pool_dtype, dtype=dtype)
-    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
+    args, static = _split(c)
     t = len(c["positions"])
     poison = jnp.full((t, heads, head_dim), jnp.nan, jnp.float32)
     fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="kernel", out_init=o))
-    static = {k: args.pop(k) for k in ("k_scale", "v_scale", "page_size", "dtype")}
     hlo = fn.lower(args, poison).compile().as_text()
     assert "modelopt_paged_decode_poisoned" in hlo
     got = np.asarray(fn(args, poison), np.float64)
@@ -162,7 +170,6 @@ def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype,
 def test_cuda_kernel_is_what_auto_runs_on_gpu():
     c = _case(3, heads=8, kv_heads=2, head_dim=64, page=16, lengths_and_new=DECODE, pool_dtype="bfloat16",
               dtype="bfloat16")
-    args = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in c.items()}
-    static = {k: args.pop(k) for k in ("k_scale", "v_scale", "page_size", "dtype")}
+    args, static = _split(c)
     hlo = jax.jit(lambda a: paged_attention(**a, **static)).lower(args).compile().as_text()
     assert "modelopt_paged_decode" in hlo

@@ -47,6 +47,11 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes!r} must be a positive integer or None")
 
 
+def _first_device(model):
+    """The device the model's arrays (and so the pool) live on: the mesh's first, or the default one."""
+    return model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0]
+
+
 def page_bytes(model, page_size: int) -> int:
     """Bytes one page takes over all layers (keys and values, every KV head of every device)."""
     total = 0
@@ -69,7 +74,7 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
     """
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
-    device = (model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0])
+    device = _first_device(model)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
@@ -84,7 +89,7 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
 
 def reads_only_used_pages(model) -> bool:
     """Whether the model's attention runs the CUDA kernel, which reads only the pages in use."""
-    device = model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0]
+    device = _first_device(model)
     attn = model.layers[0].self_attn
     return device.platform == "gpu" and kernel_supports(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                         attn.kv.dtype, attn.dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from modelopt_jax.ops.quantize import dequantize_static
+from modelopt_jax.ops.quantize import decode_stored
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUP = 8
@@ -38,10 +38,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h * d).astype(v.dtype)
-
-
-def _decode(stored: jax.Array, scale: float | None, dtype) -> jax.Array:
-    return dequantize_static(stored, scale, dtype) if scale is not None else stored.astype(dtype)
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_scale: float | None,
@@ -158,8 +154,8 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
     if row_tokens is not None and row_tokens.shape[1] > 1:  # per row
         q_rows = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])[row_tokens]             # [R, Wq, H, D]
         q_pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[row_tokens]  # padding: -1
-        k = _decode(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]
-        v = _decode(v_pool[slots], v_scale, dtype)
+        k = decode_stored(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]
+        v = decode_stored(v_pool[slots], v_scale, dtype)
         mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]                        # [R, 1, Wq, S]
         out_rows = causal_attention(q_rows, k, v, mask)                                        # [R, Wq, H * D]
         out = jnp.zeros((t + 1, h * d), out_rows.dtype).at[row_tokens.reshape(-1)].set(
@@ -167,13 +163,13 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
         return out[:t]
     if rows * g >= d:  # per token: [T, S] keys, mask by position
         tok_slots = slots[token_rows]
-        k = _decode(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
-        v = _decode(v_pool[tok_slots], v_scale, dtype)
+        k = decode_stored(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
+        v = decode_stored(v_pool[tok_slots], v_scale, dtype)
         mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]   # [T, 1, 1, S]
         out = causal_attention(q[:, None], k, v, mask)
         return out.reshape(t, h * d)
-    k = _decode(k_pool[slots.reshape(-1)], k_scale, dtype)[None]      # [1, R*S, KV, D]
-    v = _decode(v_pool[slots.reshape(-1)], v_scale, dtype)[None]
+    k = decode_stored(k_pool[slots.reshape(-1)], k_scale, dtype)[None]      # [1, R*S, KV, D]
+    v = decode_stored(v_pool[slots.reshape(-1)], v_scale, dtype)[None]
     key_rows = jnp.repeat(jnp.arange(rows, dtype=token_rows.dtype), s)
     mask = (key_rows[None, :] == token_rows[:, None]) & (jnp.tile(key_pos, rows)[None, :] <= positions[:, None])
     out = causal_attention(q[None], k, v, mask[None, None])

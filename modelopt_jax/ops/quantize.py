@@ -46,6 +46,12 @@ def dequantize_static(codes: jnp.ndarray, scale: float, dtype) -> jnp.ndarray:
     return (codes.astype(jnp.float32) * np.float32(scale)).astype(dtype)
 
 
+def decode_stored(stored: jnp.ndarray, scale: float | None, dtype) -> jnp.ndarray:
+    """Values of a KV cache's stored entries in ``dtype``: FP8 codes (``scale`` given) dequantized,
+    anything else cast."""
+    return dequantize_static(stored, scale, dtype) if scale is not None else stored.astype(dtype)
+
+
 def fake_quantize_static(x: jnp.ndarray, scale: float) -> jnp.ndarray:
     """Round ``x`` to the FP8 grid of ``scale`` and back (used for FP8 KV cache values).
 
