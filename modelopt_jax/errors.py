@@ -95,6 +95,14 @@ class WeightCachePermissionError(WeightCacheError):
     """
 
 
+class WeightCacheNotServingError(WeightCacheError):
+    """No daemon listens on the socket (no directory, no socket file, or the connection was refused).
+
+    Unlike a daemon that died mid-reply, this is what a daemon still loading looks like, so
+    ``weight_cache="require"`` waits on it while the daemon holds its lock.
+    """
+
+
 class WeightCacheProtocolError(WeightCacheError):
     """A malformed, oversized or truncated weight-cache message (or a timeout while reading one)."""
 

@@ -28,7 +28,8 @@ from flax import nnx
 from fixture_paths import fixture_dir
 from weight_cache_helpers import REPO, DaemonProcess
 from modelopt_jax import LLM, SamplingParams, load
-from modelopt_jax.errors import UnsupportedForWeightCacheError, WeightCacheError, WeightCacheProtocolError
+from modelopt_jax.errors import (UnsupportedForWeightCacheError, WeightCacheError, WeightCacheNotServingError,
+                                 WeightCacheProtocolError)
 from modelopt_jax.synthetic import write_checkpoint
 from modelopt_jax.weight_cache import fingerprint, protocol
 from modelopt_jax.weight_cache.client import request
@@ -384,6 +385,7 @@ def test_daemon_sigkilled_during_attach(tmp_path, monkeypatch):
         t.join(60)
     assert time.monotonic() - t0 < 30
     assert isinstance(results["require"], WeightCacheError)
+    assert not isinstance(results["require"], WeightCacheNotServingError)  # the death is reported, not retried
     assert "closed the connection" in str(results["require"]) or "reset by peer" in str(results["require"])
     assert results["auto"] == "disk"
 

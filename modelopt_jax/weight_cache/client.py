@@ -22,7 +22,7 @@ import time
 
 import jax
 
-from modelopt_jax.errors import ConfigError, WeightCacheError, WeightCachePermissionError
+from modelopt_jax.errors import ConfigError, WeightCacheError, WeightCacheNotServingError, WeightCachePermissionError
 from modelopt_jax.pipeline import check_plan_matches
 from modelopt_jax.quant.plan import ModelPlan
 from modelopt_jax.weight_cache import fingerprint, host_store, paths, placement, protocol
@@ -48,7 +48,8 @@ def _connect(path: str, directory: str, device: int, deadline: float) -> socket.
             return sock
         except (FileNotFoundError, ConnectionRefusedError) as e:
             sock.close()
-            raise WeightCacheError(f"no weight-cache daemon serves device {device} at {path} ({e.strerror})") from e
+            raise WeightCacheNotServingError(f"no weight-cache daemon serves device {device} at {path} "
+                                             f"({e.strerror})") from e
         except OSError as e:
             sock.close()
             busy = e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or isinstance(e, socket.timeout)
@@ -68,7 +69,8 @@ def request(op: str, *, socket_dir=None, device: int = 0, timeout: float = 30.0,
     directory = paths.resolve_dir(socket_dir)
     path = paths.socket_path(directory, device)
     if not paths.check_private_dir(directory):
-        raise WeightCacheError(f"no weight-cache daemon serves device {device} at {path} (no directory {directory})")
+        raise WeightCacheNotServingError(f"no weight-cache daemon serves device {device} at {path} "
+                                         f"(no directory {directory})")
     deadline = time.monotonic() + timeout
     sock = _connect(path, directory, device, deadline)
     try:
@@ -116,10 +118,9 @@ def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: floa
             reply = request("attach", socket_dir=directory, device=device, fingerprint=fp,
                             timeout=max(deadline - time.monotonic(), 0.05))
             break
-        except WeightCachePermissionError:
-            raise
-        except WeightCacheError:
-            # still loading? (a daemon holds the lock, no socket yet): only "require" waits
+        except WeightCacheNotServingError:
+            # still loading? (a daemon holds the lock, no socket yet): only "require" waits. A daemon
+            # that dies mid-reply is not retried: its error (closed, reset) is the one to report.
             if mode != "require" or paths.lock_holder(directory, device) is None or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
