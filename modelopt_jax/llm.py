@@ -188,6 +188,16 @@ class LLM:
         """
         if unknown:
             raise RequestTypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
+        requests = self.requests(prompts, sampling_params)
+        outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
+        self.last_stats = self.engine.last_stats
+        return outputs
+
+    def requests(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[Request]:
+        """Validated engine requests for ``prompts`` (the forms :meth:`generate` takes), without running
+        them: for callers that drive :class:`~modelopt_jax.engine.Engine` step by step (the server).
+        Raises what :meth:`generate` raises for bad input."""
         # One prompt: a string, a dict, or a flat sequence of ids. A 1-D numpy array counts too
         # (without this, a single array prompt was split into one-int "prompts" and failed).
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
@@ -222,10 +232,7 @@ class LLM:
             if any(t >= vocab for t in p.stop_token_ids):
                 raise RequestError(f"sampling_params: stop_token_ids {list(p.stop_token_ids)} reach outside the "
                                    f"vocabulary [0, {vocab})")
-        requests = [self._request(i, text, ids, p) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
-        outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
-        self.last_stats = self.engine.last_stats
-        return outputs
+        return [self._request(i, text, ids, p) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
 
     def _request(self, index: int, text, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")

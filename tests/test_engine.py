@@ -116,6 +116,35 @@ def test_batched_equals_alone_and_tight_pool_equals_roomy(roomy):
         np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, atol=1e-3)
 
 
+def test_requests_added_while_others_run_and_aborted_ones_free_their_pages(roomy):
+    """The step-wise engine (a server's loop): requests join mid-run, one is aborted mid-decode; the
+    rest produce exactly what they produce alone, and every page is free when the engine is idle."""
+    rng = np.random.default_rng(5)
+    prompts = _prompts(6, rng)
+    params = [SamplingParams(max_tokens=int(rng.integers(8, 25)), ignore_eos=True) for _ in prompts]
+    alone = [roomy.generate(p, q, use_tqdm=False)[0].token_ids for p, q in zip(prompts, params)]
+    engine = roomy.engine
+    requests = [roomy.requests(p, q)[0] for p, q in zip(prompts, params)]
+    seen = {id(r): [] for r in requests}
+    arrivals = list(requests)
+    victim = requests[2]
+    steps = 0
+    while arrivals or engine.has_work:
+        if arrivals and steps % 3 == 0:  # one new request every third step
+            engine.add(arrivals.pop(0))
+        if victim.finish_reason is None and len(victim.generated) == 4:
+            engine.abort(victim)
+        for r in engine.step() if engine.has_work else []:
+            seen[id(r)].append(r.generated[-1])
+        steps += 1
+    assert victim.finish_reason == "abort" and victim.generated == alone[2][:4] and not victim.pages
+    for r, want in zip(requests, alone):
+        if r is not victim:
+            assert r.finish_reason == "length"
+            assert seen[id(r)] == r.generated == want  # each token reported once, in order
+    assert engine.pool.free == engine.pool.num_pages - 1
+
+
 def _page_bytes(llm):
     from modelopt_jax.engine.engine import page_bytes
 

@@ -1,5 +1,9 @@
 """``Engine``: requests in, outputs out, through a page pool sized from a memory budget.
 
+Two ways in: :meth:`Engine.run` takes a list and returns its outputs (``LLM.generate``);
+:meth:`Engine.add` / :meth:`Engine.step` / :meth:`Engine.abort` let a caller (a server's engine
+thread) add requests while others run and see each token as it is sampled.
+
 The loop: the scheduler picks the next step's rows, the runner runs it on the device and copies
 back the sampled tokens (one transfer), the host records them, frees the pages of finished
 requests and goes again until every request is done. Outputs come back in request order.
@@ -115,62 +119,96 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
                              fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
+        self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                                    max_prefill_tokens=config.max_prefill_tokens)
+        self._reset_stats()
         self.last_stats: dict[str, float] = {}
 
+    # -- step-wise use (a server's loop): add requests any time, step until idle ------------------
+
+    def add(self, request: Request) -> None:
+        """Queues ``request``; it joins the running batch in a later :meth:`step`."""
+        self._scheduler.add(request)
+
+    def abort(self, request: Request) -> None:
+        """Drops ``request`` wherever it is (queued or running) and frees its pages at once."""
+        self._scheduler.abort(request)
+        if request.finish_reason is None:
+            request.finish_reason = "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return not self._scheduler.done
+
+    def step(self) -> list[Request]:
+        """Runs one step; returns the requests that received a token in it (finished ones included:
+        their ``finish_reason`` is set and their pages are already free)."""
+        scheduler, stats = self._scheduler, self._stats
+        batch = scheduler.schedule()
+        stats["max_running"] = max(stats["max_running"], len(scheduler.running))
+        ts = time.perf_counter()
+        result = self.runner.step(batch)
+        elapsed = time.perf_counter() - ts
+        is_prefill = any(n > 1 for _, n in batch)
+        stats["prefill_steps"] += is_prefill
+        stats["prefill_s" if is_prefill else "decode_s"] += elapsed
+        stats["steps"] += 1
+        advanced = []
+        for row, (r, n) in enumerate(batch):
+            if result.prompt is not None and r.params.prompt_logprobs is not None:
+                chosen, top_v, top_i = result.prompt[row]
+                for t in range(n):
+                    p = r.computed + t + 1
+                    if p < len(r.prompt_ids):
+                        r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
+                                                             r.params.prompt_logprobs)
+            r.computed += n
+            if r.pending == 0:  # the whole sequence is in the cache: this row sampled a token
+                r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row], result.top_ids[row])
+                advanced.append(r)
+                if r.finish_reason is not None:
+                    scheduler.finish(r)
+        return advanced
+
+    # -- batch use (LLM.generate) ---------------------------------------------------------------
+
     def run(self, requests: list[Request], *, tokenizer=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        scheduler = Scheduler(self.pool, max_num_seqs=self.config.max_num_seqs,
-                              max_prefill_tokens=self.config.max_prefill_tokens)
+        """Generates for ``requests`` (alone: the engine must be idle) and returns their outputs in order."""
+        if self.has_work:
+            raise RuntimeError("Engine.run needs an idle engine; it is serving step-wise requests")
+        self._reset_stats()
         for r in requests:
-            scheduler.add(r)
+            self.add(r)
         progress = _progress(len(requests), use_tqdm)
-        steps = prefill_steps = 0
         t0 = time.perf_counter()
         first_token_s = None
-        prefill_s = decode_s = 0.0
-        max_running = 0
         try:
-            while not scheduler.done:
-                batch = scheduler.schedule()
-                max_running = max(max_running, len(scheduler.running))
-                ts = time.perf_counter()
-                result = self.runner.step(batch)
-                elapsed = time.perf_counter() - ts
-                is_prefill = any(n > 1 for _, n in batch)
-                prefill_steps += is_prefill
-                if is_prefill:
-                    prefill_s += elapsed
-                else:
-                    decode_s += elapsed
-                steps += 1
-                for row, (r, n) in enumerate(batch):
-                    if result.prompt is not None and r.params.prompt_logprobs is not None:
-                        chosen, top_v, top_i = result.prompt[row]
-                        for t in range(n):
-                            p = r.computed + t + 1
-                            if p < len(r.prompt_ids):
-                                r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
-                                                                     r.params.prompt_logprobs)
-                    r.computed += n
-                    if r.pending == 0:  # the whole sequence is in the cache: this row sampled a token
-                        r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row],
-                                 result.top_ids[row])
-                        first_token_s = first_token_s or time.perf_counter() - t0
-                        if r.finish_reason is not None:
-                            scheduler.finish(r)
-                            progress(1)
+            while self.has_work:
+                for r in self.step():
+                    first_token_s = first_token_s or time.perf_counter() - t0
+                    if r.finish_reason is not None:
+                        progress(1)
+        except BaseException:
+            for r in requests:  # an interrupted run (KeyboardInterrupt, a device error) leaves no pages taken
+                self.abort(r)
+            raise
         finally:
             progress(None)
         total = time.perf_counter() - t0
         generated = sum(len(r.generated) for r in requests)
-        self.last_stats = {"steps": steps, "prefill_steps": prefill_steps, "decode_steps": steps - prefill_steps,
-                           "prefill_s": prefill_s, "decode_s": decode_s, "total_s": total,
+        stats = self._stats
+        self.last_stats = {**stats, "decode_steps": stats["steps"] - stats["prefill_steps"], "total_s": total,
                            "first_token_s": first_token_s or total, "generated_tokens": generated,
                            "generated_tokens_per_s": generated / total if total else float("nan"),
                            "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "batch": len(requests),
-                           "preemptions": scheduler.preemptions, "max_running": max_running,
-                           "num_pages": self.pool.num_pages,
-                           "free_pages_after": self.pool.free}
+                           "preemptions": self._scheduler.preemptions - stats["preemptions_before"],
+                           "num_pages": self.pool.num_pages, "free_pages_after": self.pool.free}
+        del self.last_stats["preemptions_before"]
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
+
+    def _reset_stats(self) -> None:
+        self._stats = {"steps": 0, "prefill_steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "max_running": 0,
+                       "preemptions_before": self._scheduler.preemptions}
 
 
 def _progress(total: int, enabled: bool):

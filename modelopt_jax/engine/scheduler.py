@@ -43,6 +43,14 @@ class Scheduler:
         self.running.remove(request)
         self.pool.release(request.pages)
 
+    def abort(self, request: Request) -> None:
+        """Removes ``request`` from the queue or the running set and frees its pages."""
+        if request in self.running:
+            self.finish(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            self.pool.release(request.pages)
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.pool.release(victim.pages)
