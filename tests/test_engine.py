@@ -145,6 +145,34 @@ def test_requests_added_while_others_run_and_aborted_ones_free_their_pages(roomy
     assert engine.pool.free == engine.pool.num_pages - 1
 
 
+def test_overlapped_steps_change_nothing(roomy):
+    """Launching step N+1 before collecting step N (its input tokens read on the device) gives what a
+    plain loop gives, with requests that stop early on a stop token (their next row is wasted) and
+    finish by length under a tight pool; every page is free afterwards. (Preemption with overlap,
+    the default, is in test_batched_equals_alone_and_tight_pool_equals_roomy.)"""
+    rng = np.random.default_rng(1)
+    prompts = _prompts(12, rng)
+    budgets = [int(rng.integers(20, 41)) for _ in prompts]
+    plain = roomy.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in budgets], use_tqdm=False)
+    # a stop token each request really samples late (so it stops mid-run of the others); every third runs to length
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=1,
+                             stop_token_ids=[] if i % 3 == 0 else [o.token_ids[3 * len(o.token_ids) // 4]])
+              for i, (m, o) in enumerate(zip(budgets, plain))]
+    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_prefill_tokens=64)
+    runs = {}
+    for overlap in (False, True):
+        tight.engine.overlap = overlap
+        runs[overlap] = tight.generate(prompts, params, use_tqdm=False)
+        stats = tight.last_stats
+        assert (stats["overlapped_steps"] > stats["steps"] // 2) == overlap, stats
+        assert stats["free_pages_after"] == tight.engine.pool.num_pages - 1, stats
+    for a, b in zip(runs[False], runs[True]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert [e.keys() for e in a.logprobs] == [e.keys() for e in b.logprobs]
+        np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, atol=1e-4)
+    assert {o.finish_reason for o in runs[True]} == {"stop", "length"}
+
+
 def _page_bytes(llm):
     from modelopt_jax.engine.engine import page_bytes
 

@@ -119,6 +119,8 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
                              fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
+        self.overlap = True  # launch step N+1 before collecting step N (see step)
+        self._inflight = None
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                     max_prefill_tokens=config.max_prefill_tokens)
         self._reset_stats()
@@ -138,36 +140,68 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return not self._scheduler.done
+        return not self._scheduler.done or self._inflight is not None
 
     def step(self) -> list[Request]:
-        """Runs one step; returns the requests that received a token in it (finished ones included:
-        their ``finish_reason`` is set and their pages are already free)."""
-        scheduler, stats = self._scheduler, self._stats
-        batch = scheduler.schedule()
-        stats["max_running"] = max(stats["max_running"], len(scheduler.running))
-        ts = time.perf_counter()
-        result = self.runner.step(batch)
-        elapsed = time.perf_counter() - ts
-        is_prefill = any(n > 1 for _, n in batch)
-        stats["prefill_steps"] += is_prefill
-        stats["prefill_s" if is_prefill else "decode_s"] += elapsed
+        """Advances generation by one step; returns the requests that received a token in it
+        (finished ones included: their ``finish_reason`` is set and their pages are already free).
+
+        Overlapped: it launches the next step before copying back the current one whenever the
+        scheduler can decide that step without the current one's tokens (the device reads them
+        itself), so the device never waits for the host's bookkeeping. Where it cannot (a step
+        that would preempt), it collects first and schedules then, as a plain loop would.
+        """
+        if not self.has_work:
+            return []
+        t0 = time.perf_counter()
+        if self._inflight is None:
+            batch = self._scheduler.schedule()
+            self._inflight = self._launch(batch)
+        current = self._inflight
+        following = self._scheduler.schedule(speculative=True) if self.overlap else None
+        self._inflight = self._launch(following) if following else None
+        self._stats["overlapped_steps"] += following is not None
+        advanced = self._collect(current)
+        stats = self._stats
         stats["steps"] += 1
+        stats["prefill_steps"] += current.is_prompt
+        stats["prefill_s" if current.is_prompt else "decode_s"] += time.perf_counter() - t0
+        return advanced
+
+    def _launch(self, batch: list[tuple[Request, int]]):
+        """Dispatches ``batch`` and advances its requests as if it had run: their fed tokens count as
+        computed, a row that samples has one more token in flight, and a request whose budget that
+        token completes leaves the running set now (its pages can serve the next step: the device
+        runs steps in order)."""
+        self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
+        launched = self.runner.launch(batch)
+        for row, (r, n, _, samples) in enumerate(launched.rows):
+            r.computed += n
+            if samples:
+                r.inflight += 1
+                r.inflight_row = row
+                if r.sampled_all:
+                    self._scheduler.finish(r)
+        return launched
+
+    def _collect(self, launched) -> list[Request]:
+        result = self.runner.collect(launched)
         advanced = []
-        for row, (r, n) in enumerate(batch):
+        for row, (r, n, start, samples) in enumerate(launched.rows):
+            if r.finish_reason is not None:  # stopped in the step before, or aborted: nothing more to record
+                continue
             if result.prompt is not None and r.params.prompt_logprobs is not None:
                 chosen, top_v, top_i = result.prompt[row]
                 for t in range(n):
-                    p = r.computed + t + 1
+                    p = start + t + 1
                     if p < len(r.prompt_ids):
                         r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
                                                              r.params.prompt_logprobs)
-            r.computed += n
-            if r.pending == 0:  # the whole sequence is in the cache: this row sampled a token
+            if samples:
                 r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row], result.top_ids[row])
                 advanced.append(r)
                 if r.finish_reason is not None:
-                    scheduler.finish(r)
+                    self._scheduler.finish(r)
         return advanced
 
     # -- batch use (LLM.generate) ---------------------------------------------------------------
@@ -189,7 +223,8 @@ class Engine:
                     if r.finish_reason is not None:
                         progress(1)
         except BaseException:
-            for r in requests:  # an interrupted run (KeyboardInterrupt, a device error) leaves no pages taken
+            self._inflight = None  # an interrupted run (KeyboardInterrupt, a device error) leaves no pages taken
+            for r in requests:
                 self.abort(r)
             raise
         finally:
@@ -207,7 +242,7 @@ class Engine:
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
 
     def _reset_stats(self) -> None:
-        self._stats = {"steps": 0, "prefill_steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "max_running": 0,
+        self._stats = {"steps": 0, "prefill_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "max_running": 0,
                        "preemptions_before": self._scheduler.preemptions}
 
 

@@ -39,6 +39,11 @@ class Request:
     ``tokens`` (prompt + generated) is what the model has seen or will see; ``computed`` of them
     have their keys/values in the pool, in ``pages``. After a preemption ``computed`` drops to 0
     and the pages go back to the pool; the tokens stay, so the request resumes by recomputing them.
+
+    ``inflight`` counts tokens sampled by steps that are launched but not yet collected (0-2: the
+    engine schedules the next step while the device runs the current one). They count in
+    :attr:`length`, but their values live on the device: ``inflight_row`` is the request's row in
+    the last launched step, whose sampled-token array the next step reads its input from.
     """
 
     index: int                      # position in the caller's list: outputs come back in this order
@@ -54,22 +59,33 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0
     finish_reason: str | None = None
+    inflight: int = 0
+    inflight_row: int = -1
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
+        return len(self.prompt_ids) + len(self.generated) + self.inflight
+
+    @property
+    def sampled_all(self) -> bool:
+        """Whether the tokens sampled so far (known or in flight) use up the request's budget."""
+        return len(self.generated) + self.inflight >= self.budget
 
     @property
     def pending(self) -> int:
         """Tokens not yet fed to the model."""
         return self.length - self.computed
 
-    def token_at(self, position: int) -> int:
+    def token_at(self, position: int) -> int | None:
+        """The token at ``position``; None for a token still in flight (its value is on the device)."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.generated[position - n]
+        if position < n:
+            return self.prompt_ids[position]
+        return self.generated[position - n] if position - n < len(self.generated) else None
 
     def accept(self, token: int, chosen, top_v, top_i) -> None:
-        """Records a sampled token and decides whether the request is done."""
+        """Records a sampled token (the oldest in flight, if any) and decides whether the request is done."""
+        self.inflight = max(self.inflight - 1, 0)
         self.generated.append(token)
         self.logprobs.append(logprob_entry(token, chosen, top_v, top_i, self.params.logprobs))
         if token in self.stop_ids:

@@ -30,6 +30,18 @@ def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
 
 
 @dataclasses.dataclass
+class LaunchedStep:
+    """A step dispatched to the device and not yet copied back: its rows and its device outputs."""
+
+    rows: list[tuple[Request, int, int, bool]]  # (request, tokens fed, first position fed, samples a token)
+    outputs: tuple                          # device arrays: tokens, (chosen, top values, top ids), prompt
+
+    @property
+    def is_prompt(self) -> bool:
+        return any(n > 1 for _, n, _, _ in self.rows)
+
+
+@dataclasses.dataclass
 class StepResult:
     """What one step returns to the host (one device-to-host copy)."""
 
@@ -50,10 +62,15 @@ class Runner:
     longest row, since XLA's attention gathers the whole width.
     """
 
-    def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0, fixed_table_width: int | None = None):
+    def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0, fixed_table_width: int | None = None,
+                 max_rows: int = 256):
         from flax import nnx
 
         self.page_size = page_size
+        # Every step's sampled tokens, padded to one length, stay on the device: the next step,
+        # launched before this one is collected, reads its in-flight input tokens from them.
+        self.max_rows = bucket(max_rows, 8)
+        self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
         self.pad_id = pad_id
         self.fixed_table_width = fixed_table_width
         self.cache = model.init_paged_cache(num_pages, page_size)
@@ -67,7 +84,8 @@ class Runner:
         self.shapes: set[tuple[int, ...]] = set()  # (tokens, rows, table width, logprobs...) compiled so far
 
     def _step_fn(self, num_logprobs, prompt_logprobs, state, cache, ids, positions, slots, token_rows, block_tables,
-                 row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters):
+                 row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters, last_tokens, from_last):
+        ids = jnp.where(from_last >= 0, last_tokens[jnp.maximum(from_last, 0)], ids)
         if prompt_logprobs is None:
             logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables, row_tokens,
                                           last)
@@ -79,10 +97,15 @@ class Runner:
             prompt = token_logprobs(all_logits, next_ids, prompt_logprobs)
         keys = jax.vmap(jax.random.fold_in)(row_keys, counters)
         tokens = sample(logits, temps, top_k, top_p, keys)
-        return tokens, token_logprobs(logits, tokens, num_logprobs), prompt, cache
+        padded = jnp.zeros(self.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
+        return padded, token_logprobs(logits, tokens, num_logprobs), prompt, cache
 
-    def step(self, batch: list[tuple[Request, int]]) -> StepResult:
-        """Runs one step for ``batch`` rows of (request, tokens to feed).
+    def launch(self, batch: list[tuple[Request, int]]) -> LaunchedStep:
+        """Dispatches one step for ``batch`` rows of (request, tokens to feed) without waiting for it.
+
+        A row's input token may still be in flight (``request.inflight_row`` >= 0 and its value
+        unknown on the host): it is read on the device from the previous launched step's tokens.
+        Requests are not modified: the caller advances ``computed`` and ``inflight``.
 
         Shapes are bucketed so a workload compiles a handful of programs (each a whole-model
         compile): tokens to powers of two (at least 16), rows to powers of two (at least 8 in a
@@ -102,7 +125,7 @@ class Runner:
         n_rows = len(batch)
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
-        tok_ids, tok_pos, tok_slots, tok_rows = [], [], [], []
+        tok_ids, tok_pos, tok_slots, tok_rows, tok_from_last = [], [], [], [], []
         tables = np.zeros((rows, width), np.int32)
         row_tokens = np.full((rows, row_width), tokens_b, np.int32)  # tokens_b: padding
         next_ids = np.zeros(tokens_b, np.int32)
@@ -112,7 +135,9 @@ class Runner:
             start, pages = r.computed, r.pages
             tables[b, :len(pages)] = pages
             if n == 1:
-                tok_ids.append(r.token_at(start))
+                token = r.token_at(start)
+                tok_ids.append(self.pad_id if token is None else token)
+                tok_from_last.append(r.inflight_row if token is None else -1)
                 tok_pos.append(start)
                 tok_slots.append(pages[start // page] * page + start % page)
                 tok_rows.append(b)
@@ -120,7 +145,8 @@ class Runner:
                     row_tokens[b, 0] = offset
             else:
                 pos = range(start, start + n)
-                tok_ids += [r.token_at(p) for p in pos]
+                tok_ids += [r.token_at(p) for p in pos]  # prompt chunks: every token is known
+                tok_from_last += [-1] * n
                 tok_pos += pos
                 tok_slots += [pages[p // page] * page + p % page for p in pos]
                 tok_rows += [b] * n
@@ -143,14 +169,24 @@ class Runner:
         top_p = _padded([q.top_p for q in params], rows, 1.0, np.float32)
         row_keys = np.zeros((rows, 2), np.uint32)
         row_keys[:n_rows] = [r.row_key for r, _ in batch]
-        counters = _padded([len(r.generated) for r, _ in batch], rows, 0, np.uint32)
+        counters = _padded([len(r.generated) + r.inflight for r, _ in batch], rows, 0, np.uint32)
+        from_last = _padded(tok_from_last, tokens_b, -1)
         num_logprobs = max((r.params.logprobs or 0) for r, _ in batch)
         self.shapes.add((tokens_b, rows, width, row_width, num_logprobs, prompt_k))
-        tokens, (chosen, top_v, top_i), prompt, self.cache = self._step(
+        tokens, logprobs, prompt, self.cache = self._step(
             num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last,
-            next_ids, temps, top_k, top_p, row_keys, counters)
-        tokens, chosen, top_v, top_i, prompt = jax.device_get((tokens, chosen, top_v, top_i, prompt))
+            next_ids, temps, top_k, top_p, row_keys, counters, self._last_tokens, from_last)
+        self._last_tokens = tokens
+        return LaunchedStep([(r, n, r.computed, r.computed + n == r.length) for r, n in batch],
+                            (tokens, logprobs, prompt))
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> StepResult:
+        """Waits for a launched step and copies its results to the host (one transfer)."""
+        batch = launched.rows
+        tokens, (chosen, top_v, top_i), prompt = jax.device_get(launched.outputs)
+        tokens = tokens[:len(chosen)]
         if prompt is not None:  # per row: its tokens' (chosen, top values, top ids)
-            starts = np.concatenate([[0], np.cumsum([n for _, n in batch])])
+            starts = np.concatenate([[0], np.cumsum([n for _, n, _, _ in batch])])
             prompt = [tuple(a[starts[b]:starts[b + 1]] for a in prompt) for b in range(len(batch))]
         return StepResult(tokens, chosen, top_v, top_i, prompt)

@@ -13,6 +13,10 @@ the per-token kernel, see bench/RESULTS.md.)
   is free preempts the most recently admitted request: its pages are freed at once and it goes back
   to the front of the queue, to be recomputed (prompt + what it had generated) when pages free up.
 - A finished request's pages are freed the moment it finishes.
+
+The engine schedules step N+1 while the device still runs step N (``speculative=True``): the
+policy is the same, but such a step never preempts -- a preempted request may have a token in
+flight -- so when it would have to, ``schedule`` returns None and the engine first collects step N.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
+        """Takes ``request`` out of the running set and frees its pages (a no-op the second time)."""
+        if request in self.running:
+            self.running.remove(request)
         self.pool.release(request.pages)
 
     def abort(self, request: Request) -> None:
@@ -58,12 +64,13 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(victim)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """The next step's rows: (request, tokens to feed). Never empty while requests remain."""
+    def schedule(self, speculative: bool = False) -> list[tuple[Request, int]] | None:
+        """The next step's rows: (request, tokens to feed). Never empty while requests remain, unless
+        ``speculative``: then None when the step would need a preemption, or has nothing to run."""
         while True:
-            batch = self._prefill() or self._decode()
-            if batch:
-                return batch
+            batch = self._prefill() or self._decode(speculative)
+            if batch or speculative:
+                return batch or None
             # Every running request is part-way through a prompt and none can get a page: free the
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
@@ -89,11 +96,13 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _decode(self) -> list[tuple[Request, int]]:
+    def _decode(self, speculative: bool = False) -> list[tuple[Request, int]] | None:
         batch = []
         for r in list(self.running):
             if r not in self.running or r.pending != 1:
                 continue
+            if speculative and not self.pool.grow(r.pages, r.computed + 1):
+                return None  # (pages already grown for earlier rows hold their next positions anyway)
             while not self.pool.grow(r.pages, r.computed + 1):
                 victim = self.running[-1]
                 self._preempt(victim)
