@@ -3,7 +3,7 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...] [wc-tests] [tp-tests]
 #                             [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
-#                             [serve CKPT_DIR WORKLOADS]
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static]]
 # attach / tp-bench write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first if absent.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
@@ -51,9 +51,13 @@ print('memcheck sample done')
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
-    serve) ckpt=$2; workloads=$3; shift 3
+    serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer)
+      tag=${workloads//,/_}
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ]; }; do
+        [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer); tag+="_$1"; shift
+      done
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
-        --workloads "$workloads" --json "$OUT/serve_$workloads.json" 2>&1 | tee "$OUT/serve_$workloads.log" | tail -30 ;;
+        --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

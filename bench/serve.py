@@ -2,6 +2,7 @@
 
 Run on the H200 (not a test):
     python bench/serve.py --checkpoint DIR [--write-preset llama3-8b] [--workloads a,b,c] [--json out.json]
+                          [--kv-cache-dtype fp8] [--static-peer]
 
 ``--write-preset`` first writes a synthetic ModelOpt FP8 checkpoint (``modelopt_jax.synthetic``,
 unequal shard scales as real exports have) into DIR if it holds none. Workloads (issue 12):
@@ -58,6 +59,52 @@ def kv_bytes_per_token(model) -> int:
     return page_bytes(model, 1)
 
 
+def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int = 4096, new: int = 128) -> dict:
+    """Workload (a) through the pre-engine pattern, for a same-process ratio: one static batch of 64,
+    a dense cache of ``max_model_len`` slots per row (as ``LLM.generate`` sized it before the
+    engine), prefill in one call, then greedy decode steps over ``make_cached_forward``."""
+    import gc
+
+    import jax.numpy as jnp
+
+    from modelopt_jax import load
+    from modelopt_jax.generation import make_cached_forward
+
+    model = load(checkpoint, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    forward, state = make_cached_forward(model)
+    prompts, _ = workload("a", model.config.vocab_size)
+    ids = jnp.asarray(np.asarray(prompts, np.int32))
+    b, t = ids.shape
+
+    @jax.jit
+    def prefill(state, cache, ids):
+        logits, cache = forward(state, ids, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, jnp.full((b,), t - 1))
+        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
+
+    def decode(state, cache, tokens, pos):
+        logits, cache = forward(state, tokens[:, None], jnp.broadcast_to(pos, tokens.shape)[:, None], cache)
+        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
+
+    decode = jax.jit(decode, donate_argnums=(1,))
+    runs = []
+    for _ in range(2):  # the first compiles
+        cache = model.init_cache(b, max_model_len)
+        t0 = time.perf_counter()
+        tok, cache = prefill(state, cache, ids)
+        tok.block_until_ready()
+        t1 = time.perf_counter()
+        for step in range(new - 1):
+            tok, cache = decode(state, cache, tok, jnp.int32(t + step))
+        tok.block_until_ready()
+        t2 = time.perf_counter()
+        runs.append({"prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
+                     "ms_per_decode_step": 1e3 * (t2 - t1) / (new - 1), "generated_tokens_per_s": b * new / (t2 - t0)})
+        del cache
+    del model, state, forward
+    gc.collect()
+    return runs[-1]
+
+
 def run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, dict(llm.last_stats)
@@ -70,6 +117,9 @@ def main():
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--json")
     ap.add_argument("--once", action="store_true", help="one run per workload (compilation included)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="LLM's kv_cache_dtype (fp8: FP8 pages)")
+    ap.add_argument("--static-peer", action="store_true",
+                    help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
     args = ap.parse_args()
     if args.write_preset and not os.path.exists(os.path.join(args.checkpoint, "config.json")):
         from modelopt_jax.synthetic import write_checkpoint
@@ -78,13 +128,21 @@ def main():
         write_checkpoint(args.checkpoint, family="llama", max_shard_bytes=5 << 30, **PRESETS[args.write_preset])
         print(f"wrote {args.checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
     dev = jax.devices()[0]
-    llm = LLM(args.checkpoint)  # every default: max_model_len 4096, kv_cache_memory_fraction 0.9, ...
+    static = None
+    if args.static_peer:  # before the engine takes its pool
+        static = static_dense_peer(args.checkpoint, args.kv_cache_dtype)
+        print(f"(a) static dense-cache loop (4096 slots per row): {static['generated_tokens_per_s']:.0f} generated "
+              f"tok/s; prefill {static['prefill_s']:.2f} s, decode {static['ms_per_decode_step']:.2f} ms/step",
+              flush=True)
+    # every default (max_model_len 4096, kv_cache_memory_fraction 0.9, ...) but the KV dtype asked for
+    llm = LLM(args.checkpoint, kv_cache_dtype=args.kv_cache_dtype)
     model = llm.model
     wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
           f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
-    report = {"device": dev.device_kind, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {}}
+    report = {"device": dev.device_kind, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
+              "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static}
     for name in args.workloads.split(","):
         if name == "c":
             for context in (1024, 4096):
@@ -115,7 +173,9 @@ def main():
               f"first token {st['first_token_s']:.2f} s; {st['decode_steps']} decode steps at {ms:.2f} ms, "
               f"{st['prefill_steps']} prefill steps {st['prefill_s']:.2f} s; preemptions {st['preemptions']}, "
               f"max running {st['max_running']}; {len(llm.engine.runner.shapes)} step shapes compiled"
-              + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else ""), flush=True)
+              + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else "")
+              + (f"; {st['generated_tokens_per_s'] / static['generated_tokens_per_s']:.2f}x the static dense loop"
+                 if name == "a" and static else ""), flush=True)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "
