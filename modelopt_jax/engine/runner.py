@@ -29,6 +29,24 @@ def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
     return out
 
 
+def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None) -> tuple[int, int, int, int]:
+    """(tokens, rows, block-table width in pages, tokens per row) of the program that runs ``batch``.
+
+    Bucketed so a workload compiles a handful of programs (each a whole-model compile): tokens to
+    powers of two (at least 16); rows to powers of two (at least 8 in a decode step: a GEMM costs
+    the same for M 1..8; prompt steps' rows unpadded, since each costs XLA's prompt attention a
+    [row width x S] block); tokens per row (prompt steps) to powers of two (at least 16); block
+    tables to a power of two of pages (at least 8) unless fixed (decode steps that run the kernel).
+    """
+    total = sum(n for _, n in batch)
+    decode = total == len(batch)
+    rows = bucket(len(batch), 8 if decode else 1)
+    row_width = 1 if decode else bucket(max(n for _, n in batch), 16)
+    longest = max(len(r.pages) for r, _ in batch)
+    width = fixed_table_width if decode and fixed_table_width is not None else bucket(longest, 8)
+    return bucket(total, 16), rows, width, row_width
+
+
 @dataclasses.dataclass
 class LaunchedStep:
     """A step dispatched to the device and not yet copied back: its rows and its device outputs."""
@@ -105,23 +123,12 @@ class Runner:
 
         A row's input token may still be in flight (``request.inflight_row`` >= 0 and its value
         unknown on the host): it is read on the device from the previous launched step's tokens.
-        Requests are not modified: the caller advances ``computed`` and ``inflight``.
-
-        Shapes are bucketed so a workload compiles a handful of programs (each a whole-model
-        compile): tokens to powers of two (at least 16), rows to powers of two (at least 8 in a
-        decode step: a GEMM costs the same for M 1..8), block tables to a power of two of pages
-        (at least 8) unless fixed.
+        Requests are not modified: the caller advances ``computed`` and ``inflight``. Shapes: see
+        :func:`step_shape`.
         """
         page = self.page_size
-        total = sum(n for _, n in batch)
-        decode = total == len(batch)
-        tokens_b = bucket(total, 16)
-        # Prompt steps: rows unpadded (to a power of two); each costs XLA's prompt attention a
-        # [row width x S] block.
-        rows = bucket(len(batch), 8 if decode else 1)
-        longest = max(len(r.pages) for r, _ in batch)
-        row_width = 1 if decode else bucket(max(n for _, n in batch), 16)  # tokens per row, prompt steps
-        width = self.fixed_table_width if decode and self.fixed_table_width is not None else bucket(longest, 8)
+        decode = all(n == 1 for _, n in batch)
+        tokens_b, rows, width, row_width = step_shape(batch, self.fixed_table_width)
         n_rows = len(batch)
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.

@@ -1,0 +1,84 @@
+"""The engine's schedule for a workload, without a model or a device: steps, their composition and
+the programs they compile (``step_shape``), for tuning the scheduler and the bucketing on a CPU.
+
+    python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs 256] [--max-prefill-tokens 2048]
+
+``--pages`` defaults to the pool ``LLM`` gives the synthetic 8B FP8 checkpoint on the H200 (bf16
+pages, kv_cache_memory_fraction 0.9). Every sampled token is a fixed id and no request stops
+early (``ignore_eos``), as in bench/serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from modelopt_jax.engine.pages import PagePool  # noqa: E402
+from modelopt_jax.engine.request import Request  # noqa: E402
+from modelopt_jax.engine.runner import step_shape  # noqa: E402
+from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
+from modelopt_jax.sampling import SamplingParams  # noqa: E402
+
+
+def workload(name: str) -> list[tuple[int, int]]:
+    """(prompt tokens, max_tokens) per request, drawn as bench/serve.py draws them."""
+    rng = np.random.default_rng(0)
+    if name == "a":
+        return [(1024, 128)] * 64
+    out = []
+    for _ in range(1000):
+        n = int(rng.integers(64, 1025))
+        out.append((n, int(rng.integers(32, 513))))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="b", choices=["a", "b"])
+    ap.add_argument("--pages", type=int, default=53469)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    args = ap.parse_args()
+    requests = [Request(i, None, [5] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
+                        np.zeros(2, np.uint32)) for i, (n, m) in enumerate(workload(args.workload))]
+    pool = PagePool(args.pages, args.page_size)
+    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens)
+    for r in requests:
+        scheduler.add(r)
+    table_width = -(-args.max_model_len // args.page_size)
+    shapes, rows_hist = collections.Counter(), collections.Counter()
+    real = padded = 0
+    while not scheduler.done:
+        batch = scheduler.schedule()
+        key = step_shape(batch, table_width)
+        shapes[key] += 1
+        prompt = key[3] > 1
+        rows_hist["prompt" if prompt else "decode"] += len(batch)
+        real += sum(n for _, n in batch)
+        padded += key[0]
+        for r, n in batch:
+            r.computed += n
+            if r.pending == 0:
+                r.accept(7, 0.0, [], [])
+                if r.finish_reason:
+                    scheduler.finish(r)
+    prompt_steps = sum(v for k, v in shapes.items() if k[3] > 1)
+    decode_steps = sum(shapes.values()) - prompt_steps
+    print(f"workload {args.workload}: {len(requests)} requests, {prompt_steps} prompt steps "
+          f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
+          f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
+          f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%}")
+    print("tokens rows table-width row-width: steps")
+    for k, v in sorted(shapes.items()):
+        print(*k, ":", v)
+
+
+if __name__ == "__main__":
+    main()
