@@ -154,14 +154,20 @@ class Engine:
         if not self.has_work:
             return []
         t0 = time.perf_counter()
-        if self._inflight is None:
-            batch = self._scheduler.schedule()
-            self._inflight = self._launch(batch)
-        current = self._inflight
-        following = self._scheduler.schedule(speculative=True) if self.overlap else None
-        self._inflight = self._launch(following) if following else None
-        self._stats["overlapped_steps"] += following is not None
-        advanced = self._collect(current)
+        try:
+            if self._inflight is None:
+                batch = self._scheduler.schedule()
+                self._inflight = self._launch(batch)
+            current = self._inflight
+            following = self._scheduler.schedule(speculative=True) if self.overlap else None
+            self._inflight = self._launch(following) if following else None
+            self._stats["overlapped_steps"] += following is not None
+            advanced = self._collect(current)
+        except BaseException:
+            # A failed step (a device error, out of memory) leaves its requests' state undefined:
+            # nothing stays in flight, and the caller aborts them (which frees their pages).
+            self._inflight = None
+            raise
         stats = self._stats
         stats["steps"] += 1
         stats["prefill_steps"] += current.is_prompt
@@ -222,8 +228,7 @@ class Engine:
                     first_token_s = first_token_s or time.perf_counter() - t0
                     if r.finish_reason is not None:
                         progress(1)
-        except BaseException:
-            self._inflight = None  # an interrupted run (KeyboardInterrupt, a device error) leaves no pages taken
+        except BaseException:  # an interrupted run (KeyboardInterrupt, a device error) leaves no pages taken
             for r in requests:
                 self.abort(r)
             raise
