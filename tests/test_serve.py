@@ -301,7 +301,6 @@ def test_an_engine_failure_fails_the_pending_requests_with_500(served, monkeypat
     frees their pages; the next request is served normally."""
     runner = served.engine.runner
     real_step = runner.step
-    calls = []
 
     def failing_step(batch):
         if len(batch) == 2:  # a decode step of both requests below
