@@ -330,6 +330,38 @@ def test_an_engine_failure_fails_the_pending_requests_with_500(served, monkeypat
     assert served.openai.engine.stats["failed_steps"] >= 1
 
 
+def test_the_official_openai_client(served, reference):
+    """What the official client parses (skipped where the openai package is not installed)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["demo", "alias"]
+    body = {"max_tokens": 16, "temperature": 0}
+    (want,) = reference.generate(PROMPTS[0], _params({**body, "ignore_eos": True}), use_tqdm=False)
+    got = client.completions.create(model="demo", prompt=PROMPTS[0], extra_body={"ignore_eos": True}, **body)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 16
+    chunks = client.completions.create(model="demo", prompt=PROMPTS[0], extra_body={"ignore_eos": True},
+                                       stream=True, stream_options={"include_usage": True}, **body)
+    chunks = list(chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == got.usage.total_tokens
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    (said,) = reference.chat(messages, SamplingParams(max_tokens=8, temperature=0, logprobs=2), chat_template=TEMPLATE,
+                             use_tqdm=False)
+    chat = client.chat.completions.create(model="alias", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    assert chat.choices[0].message.content == said.text and len(chat.choices[0].logprobs.content) == 8
+    assert chat.choices[0].logprobs.content[0].top_logprobs[0].logprob == pytest.approx(
+        max(said.logprobs[0].values()), abs=1e-5)
+    deltas = client.chat.completions.create(model="alias", messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in deltas if c.choices) == said.text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="demo", prompt="x", max_tokens=-1)
+    assert "max_tokens" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    served.idle()
+
+
 def test_missing_serve_extra_is_a_clear_error(monkeypatch, capsys):
     from modelopt_jax.__main__ import main
 

@@ -91,7 +91,11 @@ class EventStream:
 
 
 class OpenAIServer:
-    """The routes over one :class:`~modelopt_jax.LLM`; ``served_model_names[0]`` is the name answers carry."""
+    """The routes over one :class:`~modelopt_jax.LLM`; ``served_model_names[0]`` is the name answers carry.
+
+    While the app runs, the LLM's engine belongs to the engine thread: calling ``llm.generate`` on
+    the same LLM meanwhile would step the engine from two threads (build another LLM for that).
+    """
 
     def __init__(self, llm, served_model_names: list[str], *, chat_template: str | None = None, ready=None):
         if llm.tokenizer is None:

@@ -114,7 +114,8 @@ class EngineThread:
         with self._lock:
             if self._dead is None:
                 self._inbox.put(("stop", None))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def submit(self, requests: list[Request]) -> Stream:
         """Queues ``requests`` (from the event loop's thread); returns the stream of their deltas."""
