@@ -146,8 +146,8 @@ def _serve(args) -> int:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     try:
         llm = _load(args, args.model or modelopt_jax.demo_checkpoint_path(), _progress(args))
-        app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(f"serving {llm.path} as {', '.join(names)} on {url}",
-                                                        flush=True))
+        ready = f"serving {llm.path} as {', '.join(names)} on {url}"  # stdout's first line: clients wait for it
+        app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True))
         serve(app, sock, log_level=args.log_level)
     finally:
         sock.close()

@@ -223,6 +223,9 @@ class LLM:
 
     def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
         """The checkpoint's chat template (or ``chat_template``: source, a file or a name), compiled once."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise RequestTypeError(f"chat_template must be a string (Jinja source, a file or a template name), "
+                                   f"got {type(chat_template).__name__}")
         if chat_template not in self._chat_templates:
             self._chat_templates[chat_template] = ChatTemplate.from_checkpoint(self._tokenizer_dir, chat_template)
         return self._chat_templates[chat_template]
