@@ -1,4 +1,4 @@
-"""Command line: ``python -m modelopt_jax {inspect,generate,weight-cache} ...`` (also installed as ``modelopt-jax``)."""
+"""Command line: ``python -m modelopt_jax {inspect,generate,serve,weight-cache} ...`` (also installed as ``modelopt-jax``)."""
 
 from __future__ import annotations
 
@@ -33,48 +33,146 @@ def _prompts(args) -> list:
     return prompts or [DEFAULT_PROMPT]
 
 
+def _load(args, path: str, progress):
+    """The LLM the model options of ``generate`` / ``serve`` describe (after an inspect report unless --quiet)."""
+    import jax
+
+    from modelopt_jax import LLM
+    from modelopt_jax.inspect import format_report, inspect_checkpoint
+
+    if not args.quiet:
+        print(format_report(inspect_checkpoint(path)), end="\n\n", file=sys.stderr)
+    progress(f"[load] {path} ({args.dtype}, backend {args.backend}) ...")
+    llm = LLM(path, quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
+              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
+              tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+              max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+              kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache)
+    progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
+    return llm
+
+
+def _progress(args):
+    return (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
 def _generate(args) -> int:
+    import time
+
+    import modelopt_jax
     from modelopt_jax import SamplingParams
 
     # Everything that can be checked without the model is checked before the (slow) load.
     prompts = _prompts(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
-                            stop_token_ids=args.stop_token_ids or ())
-
-    import jax
-
-    import modelopt_jax
-    from modelopt_jax import LLM
-    from modelopt_jax.inspect import format_report, inspect_checkpoint
-
-    path = args.model or modelopt_jax.demo_checkpoint_path()
-    if not args.quiet:
-        print(format_report(inspect_checkpoint(path)), end="\n\n", file=sys.stderr)
-    progress = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    progress(f"[load] {path} ({args.dtype}, backend {args.backend}) ...")
-    llm = LLM(path, quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
-              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
-              tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-              weight_cache=args.weight_cache)
-    progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
-    outs = llm.generate(prompts, params, use_tqdm=not args.quiet and len(prompts) > 1)
-    stats = llm.last_stats
-    decode_rate = stats["decode_steps"] / stats["decode_s"] if stats["decode_s"] else float("nan")
-    progress(f"[generate] {len(prompts)} prompt(s), {stats['prompt_tokens']} prompt tokens -> "
-             f"{stats['generated_tokens']} new tokens in {stats['total_s']:.2f} s (first call: includes "
-             f"compilation, {stats['generated_tokens_per_s']:.1f} tokens/s); first token after "
-             f"{stats['first_token_s']:.2f} s, then {decode_rate:.1f} decode steps/s (finish: {', '.join(sorted({o.finish_reason for o in outs}))})")
-    for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        if i:
-            print()
-        print((prompt if isinstance(prompt, str) else "") + (out.text if out.text is not None else str(out.token_ids)))
-        if args.logprobs is not None:
-            for token, entry in zip(out.token_ids, out.logprobs):
-                alternatives = ", ".join(f"{t}: {v:.4f}" for t, v in sorted(entry.items(), key=lambda kv: -kv[1]))
-                print(f"  token {token}: logprob {entry[token]:.4f}; top: {alternatives}")
+                            stop_token_ids=args.stop_token_ids or (), stop=args.stop or ())
+    progress = _progress(args)
+    llm = _load(args, args.model or modelopt_jax.demo_checkpoint_path(), progress)
+    requests = llm.requests(prompts, params, detokenize=True)
+    t0 = time.perf_counter()
+    first_token_s = _stream_to_stdout(llm.engine, requests, prompts, args.logprobs is not None)
+    total = time.perf_counter() - t0
+    generated = sum(len(r.generated) for r in requests)
+    later = generated - len(requests)
+    progress(f"[generate] {len(prompts)} prompt(s), {sum(len(r.prompt_ids) for r in requests)} prompt tokens -> "
+             f"{generated} new tokens in {total:.2f} s (first call: includes compilation, "
+             f"{generated / total:.1f} tokens/s); first token after {first_token_s:.2f} s, then "
+             f"{later / max(total - first_token_s, 1e-9):.1f} tokens/s "
+             f"(finish: {', '.join(sorted({r.finish_reason for r in requests}))})")
     return 0
+
+
+def _stream_to_stdout(engine, requests, prompts, logprobs: bool) -> float:
+    """Runs ``requests`` step by step and prints each prompt's text as its tokens arrive, prompts in
+    order, separated by blank lines (a later prompt's text waits until the earlier ones are done).
+    Returns the seconds to the first token. An interrupted run leaves no pages taken."""
+    import time
+
+    pending = [[(("\n" if i else "") + (p if isinstance(p, str) else ""))] for i, p in enumerate(prompts)]
+    shown = 0  # the prompt whose text goes straight to stdout
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def close(r) -> str:
+        tail = (r.detokenizer.take_delta() if r.detokenizer is not None else str(r.generated)) + "\n"
+        if logprobs:
+            for token, entry in zip(r.generated, r.logprobs):
+                alternatives = ", ".join(f"{t}: {v:.4f}" for t, v in sorted(entry.items(), key=lambda kv: -kv[1]))
+                tail += f"  token {token}: logprob {entry[token]:.4f}; top: {alternatives}\n"
+        return tail
+
+    for r in requests:
+        engine.add(r)
+    write("".join(pending[0]))
+    pending[0] = []
+    t0, first = time.perf_counter(), None
+    try:
+        while engine.has_work:
+            for r in engine.step():
+                first = first if first is not None else time.perf_counter() - t0
+                text = close(r) if r.finish_reason is not None else \
+                    (r.detokenizer.take_delta() if r.detokenizer is not None else "")
+                if r.index == shown:
+                    write(text)
+                else:
+                    pending[r.index].append(text)
+            while shown < len(requests) and requests[shown].finish_reason is not None:
+                shown += 1
+                if shown < len(requests):
+                    write("".join(pending[shown]))
+                    pending[shown] = []
+    except BaseException:
+        for r in requests:
+            engine.abort(r)
+        raise
+    return first if first is not None else time.perf_counter() - t0
+
+
+def _serve(args) -> int:
+    import modelopt_jax
+    from modelopt_jax.serve import require
+
+    require()  # the [serve] extra, before anything slow
+    from modelopt_jax.demo import DEMO_NAME
+    from modelopt_jax.serve.app import build_app
+    from modelopt_jax.serve.server import bind, serve
+
+    names = args.served_model_name or [args.model or DEMO_NAME]
+    sock = bind(args.host, args.port)  # a taken port fails before the load
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    try:
+        llm = _load(args, args.model or modelopt_jax.demo_checkpoint_path(), _progress(args))
+        ready = f"serving {llm.path} as {', '.join(names)} on {url}"  # stdout's first line: clients wait for it
+        app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True))
+        serve(app, sock, log_level=args.log_level)
+    finally:
+        sock.close()
+    return 0
+
+
+def _model_options(p) -> None:
+    """The LLM/engine options ``generate`` and ``serve`` share."""
+    from modelopt_jax.dtypes import COMPUTE_DTYPES, KV_CACHE_DTYPES
+
+    p.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one (default: the checkpoint's)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together at most")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens per engine step at most")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                   help="GPU: share of device memory the weights and the KV pool may use")
+    p.add_argument("--weight-cache", default="off", choices=["off", "auto", "require"],
+                   help="attach to a weight-cache daemon serving this checkpoint (see weight-cache serve)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: FP8 when the checkpoint has KV scales, else the compute dtype")
+    p.add_argument("--max-model-len", type=int, help="prompt + generated tokens at most (default: min(model, 4096))")
+    p.add_argument("--quantization", default="auto", choices=["auto", "modelopt"],
+                   help="'modelopt' insists on a ModelOpt checkpoint; 'auto' loads either")
+    p.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto, xla or cutlass")
 
 
 def _weight_cache(args) -> int:
@@ -106,7 +204,7 @@ def _weight_cache(args) -> int:
 
 
 def main(argv=None) -> int:
-    from modelopt_jax.dtypes import COMPUTE_DTYPES, KV_CACHE_DTYPES
+    from modelopt_jax.dtypes import COMPUTE_DTYPES
 
     parser = argparse.ArgumentParser(prog="python -m modelopt_jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,23 +225,24 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int)
     g.add_argument("--logprobs", type=int, help="print each generated token's log-prob and the top N alternatives")
     g.add_argument("--stop-token-ids", type=int, nargs="+", help="stop at any of these token ids (besides EOS)")
-    g.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one (default: the checkpoint's)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together at most")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
-                   help="GPU: share of device memory the weights and the KV pool may use")
-    g.add_argument("--weight-cache", default="off", choices=["off", "auto", "require"],
-                   help="attach to a weight-cache daemon serving this checkpoint (see weight-cache serve)")
-    g.add_argument("--dtype", default="bfloat16", choices=list(COMPUTE_DTYPES), help="compute dtype")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="auto: FP8 when the checkpoint has KV scales, else the compute dtype")
-    g.add_argument("--max-model-len", type=int, help="prompt + generated tokens at most (default: min(model, 4096))")
-    g.add_argument("--quantization", default="auto", choices=["auto", "modelopt"],
-                   help="'modelopt' insists on a ModelOpt checkpoint; 'auto' loads either")
-    g.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto, xla or cutlass")
+    g.add_argument("--stop", action="append", help="stop where the text reaches this string (cut before it); repeatable")
+    _model_options(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past EOS")
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="/v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health")
+    s.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded qwen2-bytes-fp8 demo)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one; the ready line names it)")
+    s.add_argument("--served-model-name", nargs="+",
+                   help="names clients may use as 'model' (the first one is reported; default: MODEL as given)")
+    s.add_argument("--chat-template", help="Jinja file or source for /v1/chat/completions instead of the checkpoint's")
+    _model_options(s)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--quiet", action="store_true", help="no inspect report or load progress on stderr")
+    s.set_defaults(func=_serve)
     w = sub.add_parser("weight-cache", help="weight-cache daemon: serve, status, stop")
     wsub = w.add_subparsers(dest="wc_command", required=True)
     ws = wsub.add_parser("serve", help="load and process a checkpoint once and serve it to other processes")

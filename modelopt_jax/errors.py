@@ -72,6 +72,15 @@ class RequestTypeError(RequestError, ArgumentTypeError):
     """A request argument has the wrong type (e.g. ``seed="abc"``, ``generate(None)``)."""
 
 
+class ChatTemplateError(RequestError):
+    """A chat cannot be rendered: the checkpoint has no chat template (and none was passed), the
+    template does not parse, or it raised (``raise_exception``, e.g. roles that do not alternate)."""
+
+
+class MissingDependencyError(ModelOptJaxError, ImportError):
+    """An optional feature's package is not installed (the message names the extra that brings it)."""
+
+
 class BackendUnavailableError(ModelOptJaxError, RuntimeError):
     """The requested GEMM backend cannot run here (not built, or no device for it)."""
 

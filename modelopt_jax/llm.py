@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from modelopt_jax.chat_template import ChatTemplate, conversations
 from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.demo import demo_checkpoint_path
+from modelopt_jax.detokenizer import IncrementalDetokenizer
 from modelopt_jax.engine import Engine, EngineConfig, RequestOutput
 from modelopt_jax.errors import (ArgumentTypeError, CheckpointError, ConfigError, InvalidArgumentError, RequestError,
                                  RequestTypeError)
@@ -94,6 +96,9 @@ class LLM:
                                        f"model's max_position_embeddings), or None for min({limit}, 4096)")
         self.max_model_len = int(max_model_len)
         tokenizer_path = self._tokenizer_path(tokenizer)
+        # chat templates and special tokens sit beside the tokenizer.json in use (tokenizer_config.json)
+        self._tokenizer_dir = os.path.dirname(tokenizer_path) if tokenizer_path is not None else self.path
+        self._chat_templates: dict[str | None, ChatTemplate] = {}
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         if quantization == "modelopt":
             if not ckpt.quant_config.is_quantized:
@@ -193,10 +198,62 @@ class LLM:
         self.last_stats = self.engine.last_stats
         return outputs
 
-    def requests(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[Request]:
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True, use_tqdm: bool = True,
+             **unknown: Any) -> list[RequestOutput]:
+        """Generates the next assistant message of one conversation or of a list of them (vLLM's ``chat``).
+
+        ``messages``: a list of ``{"role": ..., "content": ...}`` dicts, or a list of such lists.
+        Each conversation is rendered with the checkpoint's chat template (``chat_template.jinja`` or
+        ``tokenizer_config.json``'s), as transformers' ``apply_chat_template`` renders it, and
+        tokenized without adding special tokens (the template writes them). ``chat_template``: Jinja
+        source, a file, or the name of one of the checkpoint's templates, instead of the default.
+        ``add_generation_prompt`` appends the template's assistant header. Returns one output per
+        conversation; ``output.prompt`` is the rendered text. A missing template, malformed messages
+        or a template that raises are :class:`~modelopt_jax.errors.RequestError` subclasses
+        (:class:`~modelopt_jax.errors.ChatTemplateError` for the template's own failures).
+        """
+        if unknown:
+            raise RequestTypeError(f"chat() got unexpected keyword argument(s) {sorted(unknown)}")
+        requests = self.chat_requests(messages, sampling_params, chat_template=chat_template,
+                                      add_generation_prompt=add_generation_prompt)
+        outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
+        self.last_stats = self.engine.last_stats
+        return outputs
+
+    def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
+        """The checkpoint's chat template (or ``chat_template``: source, a file or a name), compiled once."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise RequestTypeError(f"chat_template must be a string (Jinja source, a file or a template name), "
+                                   f"got {type(chat_template).__name__}")
+        if chat_template not in self._chat_templates:
+            self._chat_templates[chat_template] = ChatTemplate.from_checkpoint(self._tokenizer_dir, chat_template)
+        return self._chat_templates[chat_template]
+
+    def chat_requests(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      chat_template: str | None = None, add_generation_prompt: bool = True,
+                      detokenize: bool = False) -> list[Request]:
+        """Validated engine requests for the conversations in ``messages`` (see :meth:`chat`), not run."""
+        if self.tokenizer is None:
+            raise RequestError(f"chat needs a tokenizer, and {self.path} has no tokenizer.json: pass "
+                               f"LLM(..., tokenizer=...)")
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):
+            raise RequestTypeError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        convs, _ = conversations(messages)
+        template = self.get_chat_template(chat_template)
+        texts = [template.render(conv, add_generation_prompt=add_generation_prompt) for conv in convs]
+        ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        requests = self.requests([{"prompt_token_ids": i} for i in ids], sampling_params, detokenize=detokenize)
+        for request, text in zip(requests, texts):
+            request.prompt = text
+        return requests
+
+    def requests(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 detokenize: bool = False) -> list[Request]:
         """Validated engine requests for ``prompts`` (the forms :meth:`generate` takes), without running
         them: for callers that drive :class:`~modelopt_jax.engine.Engine` step by step (the server).
+        ``detokenize`` gives every request an incremental detokenizer (``request.detokenizer``), so a
+        caller can stream its text; requests with stop strings always get one.
         Raises what :meth:`generate` raises for bad input."""
         # One prompt: a string, a dict, or a flat sequence of ids. A 1-D numpy array counts too
         # (without this, a single array prompt was split into one-int "prompts" and failed).
@@ -232,13 +289,20 @@ class LLM:
             if any(t >= vocab for t in p.stop_token_ids):
                 raise RequestError(f"sampling_params: stop_token_ids {list(p.stop_token_ids)} reach outside the "
                                    f"vocabulary [0, {vocab})")
-        return [self._request(i, text, ids, p) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
+            if p.stop and self.tokenizer is None:
+                raise RequestError(f"sampling_params: stop strings {list(p.stop)} need a tokenizer and {self.path} "
+                                   f"has none (use stop_token_ids, or LLM(..., tokenizer=...))")
+        return [self._request(i, text, ids, p, detokenize) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
 
-    def _request(self, index: int, text, ids: list[int], params: SamplingParams) -> Request:
+    def _request(self, index: int, text, ids: list[int], params: SamplingParams, detokenize: bool) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         # PRNGKey takes 32 bits with x64 off: fold the high bits in so large seeds stay distinct
         key = jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        detokenizer = None
+        if self.tokenizer is not None and (detokenize or params.stop):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, stop=params.stop,
+                                                 include_stop_str_in_output=params.include_stop_str_in_output)
         return Request(index, text, ids, params, frozenset(stop), min(params.max_tokens, self.max_model_len - len(ids)),
                        np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key,
-                                  np.uint32))
+                                  np.uint32), detokenizer=detokenizer)

@@ -26,7 +26,9 @@ class SamplingParams:
 
     ``temperature`` 0 means greedy. ``top_k`` <= 0 disables top-k; ``top_p`` 1.0 disables top-p.
     ``seed`` makes sampling reproducible per request. Generation stops at any EOS id of the
-    checkpoint (unless ``ignore_eos``), at ``stop_token_ids``, or after ``max_tokens``.
+    checkpoint (unless ``ignore_eos``), at ``stop_token_ids``, at any of the ``stop`` strings (the
+    output text is cut before it, unless ``include_stop_str_in_output``; the token ids keep the
+    token that completed it, as in vLLM), or after ``max_tokens``.
     ``logprobs=k`` returns, per generated token, its log-prob and the top-k alternatives;
     ``prompt_logprobs=k`` does the same for every prompt token after the first.
     """
@@ -37,6 +39,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
+    stop: str | Sequence[str] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -60,8 +64,10 @@ class SamplingParams:
         for t in stop:
             _integer("stop_token_ids[...]", t, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            raise RequestTypeError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        for name in ("include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise RequestTypeError(f"SamplingParams: {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -77,6 +83,24 @@ def _integer(name: str, value, *, low: int | None = None, high: int | None = Non
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = ("a positive integer" if low == 1 else f">= {low}") if high is None else f"in [{low}, {high}]"
         raise RequestError(f"SamplingParams: {name} must be {bounds}, got {value!r}")
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop``: one string or a sequence of them (vLLM's ``str | list[str] | None``), as a tuple."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, bytes) or not isinstance(stop, Iterable):
+        raise RequestTypeError(f"SamplingParams: stop must be a string or a sequence of strings, "
+                               f"got {type(stop).__name__}")
+    stop = tuple(stop)
+    for s in stop:
+        if not isinstance(s, str):
+            raise RequestTypeError(f"SamplingParams: stop must hold strings, got {s!r} ({type(s).__name__})")
+        if not s:
+            raise RequestError("SamplingParams: stop strings must not be empty (an empty string would match at once)")
+    return stop
 
 
 def _real(name: str, value) -> None:

@@ -87,3 +87,31 @@ def test_generate_help_shows_defaults(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "(default: 64)" in out and "{off,auto,require}" in out
+
+
+def test_generate_streams_each_prompt_as_its_tokens_arrive(monkeypatch):
+    """The text reaches stdout token by token while the engine still generates (recorded with how many
+    tokens each request had at every write), prompts in order, and it is exactly LLM.generate's output."""
+    from modelopt_jax import LLM, SamplingParams
+    from modelopt_jax.__main__ import _stream_to_stdout
+
+    llm = LLM(demo_checkpoint_path(), dtype="float32", max_model_len=128, compilation_cache_dir=None)
+    prompts, params = ["It is a truth", "Emma", [256, 72, 101]], SamplingParams(max_tokens=12, ignore_eos=True)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    requests = llm.requests(prompts, params, detokenize=True)
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append((text, [len(r.generated) for r in requests]))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    _stream_to_stdout(llm.engine, requests, prompts, logprobs=False)
+    assert "".join(t for t, _ in writes) == \
+        f"It is a truth{want[0].text}\n\nEmma{want[1].text}\n\n{want[2].text}\n"
+    during = [counts[0] for text, counts in writes if text and counts[0] < 12]
+    assert len(during) >= 10 and during == sorted(during)  # prompt 0: one write per token, mid-generation
+    assert llm.engine.pool.free == llm.engine.pool.num_pages - 1

@@ -78,6 +78,62 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+# Layering beyond "no cycles". The server is the top layer: only the CLI imports it, so the library
+# (and `import modelopt_jax`) never needs its packages. The optional packages stay in the one place
+# that needs them: the web stack in the server's HTTP modules (its protocol, engine thread and
+# response shapes are plain Python), jinja2 in the chat-template module.
+ONLY_IMPORTED_BY = {f"{PACKAGE}.serve": {f"{PACKAGE}.__main__"}}
+OPTIONAL_PACKAGES = {"starlette": {f"{PACKAGE}.serve.app"}, "fastapi": set(),
+                     "uvicorn": {f"{PACKAGE}.serve.server"}, "jinja2": {f"{PACKAGE}.chat_template"}}
+
+
+def _external_imports(path: pathlib.Path) -> set[str]:
+    """Top-level names of the absolute imports in ``path`` (lazy ones inside functions included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def layering_problems(root: pathlib.Path) -> list[str]:
+    modules = _modules(root)
+    graph, _ = import_problems(root)
+    problems = []
+    for name, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            for layer, allowed in ONLY_IMPORTED_BY.items():
+                inside = name == layer or name.startswith(layer + ".")
+                if (dep == layer or dep.startswith(layer + ".")) and not inside and name not in allowed:
+                    problems.append(f"{name} imports {dep} (only {sorted(allowed)} may)")
+        for package in sorted(_external_imports(modules[name]) & set(OPTIONAL_PACKAGES)):
+            if name not in OPTIONAL_PACKAGES[package]:
+                problems.append(f"{name} imports {package} (only {sorted(OPTIONAL_PACKAGES[package])} may)")
+    return problems
+
+
+def test_layers_and_optional_packages():
+    graph, _ = import_problems(ROOT)
+    assert f"{PACKAGE}.serve.app" in graph and f"{PACKAGE}.chat_template" in graph[f"{PACKAGE}.llm"]
+    assert not layering_problems(ROOT), "\n".join(layering_problems(ROOT))
+
+
+def test_the_layering_check_detects_violations(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "serve").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "serve" / "__init__.py").write_text("")
+    (pkg / "serve" / "engine_thread.py").write_text("import starlette.requests\n")   # web stack off its module
+    (pkg / "llm.py").write_text("def f():\n    from modelopt_jax.serve import engine_thread\n")  # upward
+    (pkg / "__main__.py").write_text("from modelopt_jax.serve import engine_thread\n")  # allowed
+    (tmp_path / "models").mkdir()
+    assert layering_problems(tmp_path) == [
+        "modelopt_jax.llm imports modelopt_jax.serve.engine_thread (only ['modelopt_jax.__main__'] may)",
+        "modelopt_jax.serve.engine_thread imports starlette (only ['modelopt_jax.serve.app'] may)"]
+
+
 def test_the_scan_detects_a_cycle(tmp_path):
     """The checker itself: two modules importing each other (one lazily) are reported."""
     pkg = tmp_path / PACKAGE

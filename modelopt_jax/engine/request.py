@@ -18,10 +18,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    finish_reason: str  # "stop" (EOS / stop token / stop string) or "length"
     cumulative_logprob: float
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS / length)
 
 
 def logprob_entry(token: int, chosen, top_values, top_ids, k: int | None) -> dict[int, float]:
@@ -44,6 +45,9 @@ class Request:
     engine schedules the next step while the device runs the current one). They count in
     :attr:`length`, but their values live on the device: ``inflight_row`` is the request's row in
     the last launched step, whose sampled-token array the next step reads its input from.
+
+    ``detokenizer`` (an :class:`~modelopt_jax.detokenizer.IncrementalDetokenizer`, attached by
+    ``LLM`` when there are stop strings or a caller streams text) grows the text token by token.
     """
 
     index: int                      # position in the caller's list: outputs come back in this order
@@ -61,6 +65,8 @@ class Request:
     finish_reason: str | None = None
     inflight: int = 0
     inflight_row: int = -1
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer, or None: the text is decoded once, at the end
 
     @property
     def length(self) -> int:
@@ -88,18 +94,28 @@ class Request:
         self.inflight = max(self.inflight - 1, 0)
         self.generated.append(token)
         self.logprobs.append(logprob_entry(token, chosen, top_v, top_i, self.params.logprobs))
+        hit_stop_string = self.detokenizer is not None and self.detokenizer.add(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
+            self.stop_reason = token if token in self.params.stop_token_ids else None  # None: EOS
+        elif hit_stop_string:
+            self.finish_reason, self.stop_reason = "stop", self.detokenizer.stop_reason
         elif len(self.generated) >= self.budget:
             self.finish_reason = "length"
+        if self.finish_reason is not None and self.detokenizer is not None:
+            self.detokenizer.finish()
 
     def output(self, tokenizer) -> RequestOutput:
         prompt_lp = None
         if self.params.prompt_logprobs is not None:
             prompt_lp = [None] + [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_ids))]
-        text = None if tokenizer is None else tokenizer.decode(self.generated, skip_special_tokens=True)
+        if self.detokenizer is not None:
+            text = self.detokenizer.text
+        else:
+            text = None if tokenizer is None else tokenizer.decode(self.generated, skip_special_tokens=True)
         return RequestOutput(
             prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=list(self.generated), text=text,
             finish_reason=self.finish_reason,
             cumulative_logprob=float(sum(e[t] for e, t in zip(self.logprobs, self.generated))),
-            logprobs=self.logprobs if self.params.logprobs is not None else None, prompt_logprobs=prompt_lp)
+            logprobs=self.logprobs if self.params.logprobs is not None else None, prompt_logprobs=prompt_lp,
+            stop_reason=self.stop_reason)

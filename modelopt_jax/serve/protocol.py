@@ -1,0 +1,184 @@
+"""OpenAI request bodies in, validated :class:`SamplingParams` out, or an :class:`ApiError` naming the field.
+
+Pure Python (no web framework), so the rules are testable and readable on their own. Every
+sampling field is checked by :class:`~modelopt_jax.sampling.SamplingParams` itself -- built with
+that one field, so its typed error is reported under the request's field name -- and the OpenAI
+fields this server cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``tools``, ...)
+are refused with a 400 rather than ignored: an answer that silently ignored them would be wrong.
+Unknown fields are ignored, as vLLM does (clients add their own).
+
+Defaults are OpenAI's: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions and the
+rest of the context for chat. Extensions (vLLM's names): ``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt`` (chat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from modelopt_jax.errors import RequestError
+from modelopt_jax.sampling import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: alternatives per token a request may ask for
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiRequest:
+    """One validated ``/v1/completions`` or ``/v1/chat/completions`` request."""
+
+    model: str | None                 # None: the served model
+    params: SamplingParams
+    stream: bool
+    include_usage: bool               # stream_options.include_usage: a last chunk with the token counts
+    logprobs: int | None              # alternatives per token to report (chat: top_logprobs when logprobs)
+    prompts: list | None = None       # completions: prompts in LLM.generate's forms
+    messages: list | None = None      # chat: one conversation
+    add_generation_prompt: bool = True
+
+
+# (request field, SamplingParams field) checked by SamplingParams itself
+_SAMPLING_FIELDS = [("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
+                    ("stop", "stop"), ("stop_token_ids", "stop_token_ids"), ("ignore_eos", "ignore_eos"),
+                    ("include_stop_str_in_output", "include_stop_str_in_output")]
+_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+# fields accepted only at their neutral value: (name, what is neutral)
+_NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+            "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},), "echo": (False,),
+            "suffix": ("",), "tools": ([],), "functions": ([],), "continue_final_message": (False,),
+            "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+
+
+def _check_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def _unsupported(body: dict, names) -> None:
+    for name in names:
+        value = body.get(name)
+        if value is not None and value not in _NEUTRAL[name]:
+            raise ApiError(400, f"{name}={value!r} is not supported by this server (only {_NEUTRAL[name][0]!r})",
+                           param=name, code="unsupported_parameter")
+
+
+def _sampling(body: dict, max_tokens_field: str, max_tokens, logprobs: int | None) -> SamplingParams:
+    fields = {"max_tokens": (max_tokens_field, max_tokens), "logprobs": ("logprobs", logprobs)}
+    for api, field in _SAMPLING_FIELDS:
+        value = body.get(api, _OPENAI_DEFAULTS.get(api))
+        if value is not None:
+            fields[field] = (api, value)
+    for field, (api, value) in fields.items():  # one at a time: the error names the request's field
+        try:
+            SamplingParams(**{field: value})
+        except RequestError as e:
+            message = str(e).removeprefix("SamplingParams: ")
+            raise ApiError(400, message if api == field else f"{api}: {message}", param=api) from None
+    return SamplingParams(**{field: value for field, (_, value) in fields.items()})
+
+
+def _logprobs(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
+    return value
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if not isinstance(options, dict):
+        raise ApiError(400, f"stream_options must be an object, got {options!r}", param="stream_options")
+    return stream, _bool(options, "include_usage", False)
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r}", param="model")
+    return model
+
+
+def _prompts(prompt) -> list:
+    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of such lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of non-empty "
+                        "token-id lists (and not empty)", param="prompt")
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    """A ``/v1/completions`` body."""
+    body = _check_body(body)
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", param="prompt")
+    _unsupported(body, ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                        "logit_bias", "echo", "suffix"))
+    logprobs = _logprobs(body.get("logprobs"), "logprobs")
+    max_tokens = body.get("max_tokens")
+    stream, include_usage = _stream(body)
+    return ApiRequest(model=_model(body), params=_sampling(body, "max_tokens", 16 if max_tokens is None else max_tokens,
+                                                           logprobs),
+                      stream=stream, include_usage=include_usage, logprobs=logprobs, prompts=_prompts(body["prompt"]))
+
+
+def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
+    """A ``/v1/chat/completions`` body (the messages themselves are checked when rendered);
+    ``max_tokens`` defaults to ``max_model_len`` (the engine caps it at what the context leaves)."""
+    body = _check_body(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    _unsupported(body, ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                        "logit_bias", "tools", "functions", "tool_choice", "response_format",
+                        "continue_final_message"))
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _logprobs(body.get("top_logprobs"), "top_logprobs")
+    if top is not None and not want_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(field)
+    stream, include_usage = _stream(body)
+    return ApiRequest(model=_model(body),
+                      params=_sampling(body, field, max_model_len if max_tokens is None else max_tokens, logprobs),
+                      stream=stream, include_usage=include_usage, logprobs=logprobs, messages=messages,
+                      add_generation_prompt=_bool(body, "add_generation_prompt", True))
