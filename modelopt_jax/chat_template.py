@@ -84,7 +84,8 @@ class ChatTemplate:
                                     f"{directory} ({sorted(named) or 'it has none'}), nor Jinja source")
         if not named:
             raise ChatTemplateError(f"{directory} has no chat template (no {TEMPLATE_FILE}, no 'chat_template' in "
-                                    f"tokenizer_config.json): pass chat_template= (Jinja source or a file)")
+                                    f"tokenizer_config.json): pass chat_template= (Jinja source or a file), or "
+                                    f"serve --chat-template FILE")
         if "default" not in named:
             raise ChatTemplateError(f"{origin} defines templates {sorted(named)} but none named 'default': pass "
                                     f"chat_template= with one of the names")
