@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
-#   bash bench/gpu_session.sh [tests] [memcheck] [tune ARGS...] [bench ARGS...] [wc-tests] [tp-tests]
-#                             [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
+#   bash bench/gpu_session.sh [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
+#                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static]]
 # attach / tp-bench write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first if absent.
+# sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
+#   CUDA IPC store (daemon subprocesses included), one log per process in $OUT/sanitizer.<pid>.log
+#   and the error summaries in $OUT/sanitizer_summary.txt; SANITIZE_TESTS overrides the test list.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
@@ -30,6 +33,16 @@ for c in range(native.config_count()):
         ffi_fp8_gemm(x, w, x_scale=0.5, w_scale=0.5, bias=None, out_dtype=jnp.float16, tile=c).block_until_ready()
 print('memcheck sample done')
 " 2>&1 | tail -15 | tee "$OUT/memcheck.log" ;;
+    sanitize) shift
+      # The platform allocator gives every buffer its own cudaMalloc, so an access past a buffer's end
+      # is an error memcheck sees (inside XLA's BFC pool it would land in a neighbour). API errors are
+      # not reported: XLA probes the driver in ways that fail by design; our handlers check their own.
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 560 \
+        compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --print-limit 50 \
+        --log-file "$OUT/sanitizer.%p.log" python3 -m pytest -q -p no:cacheprovider \
+        ${SANITIZE_TESTS:-tests/test_gpu_gemm.py tests/test_paged_attention.py tests/test_weight_cache_gpu.py} \
+        2>&1 | tee "$OUT/sanitizer_pytest.log" | tail -25
+      grep -h "ERROR SUMMARY" "$OUT"/sanitizer.*.log | sort | uniq -c | tee "$OUT/sanitizer_summary.txt" ;;
     tune) shift; args=(); while [ $# -gt 0 ] && [ "$1" != bench ] && [ "$1" != tests ]; do args+=("$1"); shift; done
       python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done

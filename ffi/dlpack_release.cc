@@ -3,9 +3,14 @@
 //
 // Why C and not a ctypes callback: XLA calls a DLPack deleter whenever the viewing buffer dies,
 // which for arrays still alive at interpreter exit is *after* Python has finalized; a Python
-// callback then crashes the process. This function touches no Python state: it only decrements
-// the live-view counter that the importer stored in manager_ctx, which Python reads to decide
-// when the IPC mapping may be closed. The importer never frees the counter.
+// callback then crashes the process. This function touches no Python state: it decrements the
+// live-view count that the importer stored in manager_ctx (a ViewLease), which Python reads to
+// decide when the IPC mapping may be closed, and when the count reaches zero it closes the
+// client's lease on the daemon (the attach connection, see weight_cache/daemon.py), which is what
+// lets a stopping daemon free its allocation: no array of this client views it any more. The
+// importer never frees the ViewLease.
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 
@@ -26,15 +31,33 @@ struct DLManagedTensorPrefix {
   void* manager_ctx;
   void (*deleter)(DLManagedTensorPrefix*);
 };
+
+// Laid out as the Python side's ctypes structure (dlpack_view._ViewLease): {int64 live; int32 fd}.
+struct ViewLease {
+  std::atomic<int64_t> live;  // views of the allocation still alive
+  std::atomic<int32_t> fd;    // the client's lease connection, -1 once closed (or if there is none)
+};
+
+void CloseLease(ViewLease* lease) {
+  int32_t fd = lease->fd.exchange(-1, std::memory_order_acq_rel);  // exactly once, whoever gets here first
+  if (fd >= 0) close(fd);
+}
+
+void Add(ViewLease* lease, int64_t delta) {
+  if (lease->live.fetch_add(delta, std::memory_order_acq_rel) + delta == 0) CloseLease(lease);
+}
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) void ModeloptJaxDlpackRelease(DLManagedTensorPrefix* tensor) {
   if (tensor == nullptr || tensor->manager_ctx == nullptr) return;
-  reinterpret_cast<std::atomic<int64_t>*>(tensor->manager_ctx)->fetch_sub(1, std::memory_order_acq_rel);
+  Add(static_cast<ViewLease*>(tensor->manager_ctx), -1);
 }
 
-// The importer's increment, atomic with respect to the decrements above (which XLA may run on
-// any thread while other views of the same allocation are being created).
-extern "C" __attribute__((visibility("default"))) void ModeloptJaxCounterAdd(int64_t* counter, int64_t delta) {
-  reinterpret_cast<std::atomic<int64_t>*>(counter)->fetch_add(delta, std::memory_order_acq_rel);
+// The importer's increment (and its decrement when an import fails), atomic with respect to the
+// releases above, which XLA may run on any thread while other views are being created.
+extern "C" __attribute__((visibility("default"))) void ModeloptJaxCounterAdd(ViewLease* lease, int64_t delta) {
+  Add(lease, delta);
 }
+
+// Closes the lease now (the IPC mapping is being closed, or the attach failed); idempotent.
+extern "C" __attribute__((visibility("default"))) void ModeloptJaxLeaseClose(ViewLease* lease) { CloseLease(lease); }

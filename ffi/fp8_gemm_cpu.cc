@@ -1,12 +1,20 @@
-// CPU reference implementation of the modelopt_fp8_gemm XLA FFI op.
+// CPU implementation of the modelopt_fp8_gemm XLA FFI op.
 //
 // Same operands, attributes, validation and epilogue order as the CUDA (CUTLASS) handler, in
 // plain C++: it lets CI on GPU-less machines run the real FFI path (registration, lowering,
-// attribute and buffer plumbing) and gives the GPU tests a second reference. Not tuned for speed:
-// on CPU the "auto" backend uses XLA's own FP8 dot.
+// attribute and buffer plumbing) and gives the GPU tests a second reference. It is also what
+// "auto" runs on CPU for small M (decode steps): XLA:CPU converts the whole FP8 weight to float
+// on every call, which costs more than the product when M is small, while this handler decodes
+// each weight row once into a cache-resident buffer and streams the activations past it
+// (bench/RESULTS.md, "FP8 GEMM on CPU"). Not a tuned GEMM: for large M XLA's dot is faster.
+//
+// Accumulation is in float32 (FP8 x FP8 products are exact in float32), in kLanes partial sums
+// per output (k mod kLanes) added in lane order at the end: the order is fixed by this source, not
+// by the instruction set the compiler picks, so every machine computes the same bits.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "fp8_gemm_problem.h"
 
@@ -67,6 +75,75 @@ uint16_t ToF16(float f) {
   return sign | static_cast<uint16_t>(((mant - 0x38000000u) >> 13) & 0xffffu);
 }
 
+constexpr int kLanes = 16;  // partial sums per output, k mod 16 (see the top of the file)
+constexpr int kRows = 4;    // weight rows decoded and used together: each activation row streams once per kRows outputs
+constexpr int64_t kRowBlock = 64;  // activation rows decoded at a time (bounds the buffer; weights decode once per block)
+// Eight lanes per vector, two vectors per output: written out by hand below, since GCC spills an
+// array of vector accumulators to the stack.
+typedef float Vec __attribute__((vector_size(8 * sizeof(float))));
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MODELOPT_JAX_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MODELOPT_JAX_CLONES
+#endif
+
+__attribute__((always_inline)) inline Vec Load(const float* p) {  // inlined: no vector ABI between clones
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// `count` e4m3fn codes to float, zero-padded to `padded` (a multiple of kLanes; zeros add nothing
+// to a dot product). A normal code's exponent and mantissa shifted into a float's, the exponent
+// rebased by 127 - 7; a subnormal's mantissa times 2^-9, converted exactly (never a denormal float,
+// which XLA's threads flush to zero); 0x7F/0xFF become NaN. Written as scalar code in blocks of 16,
+// which the compiler vectorises (GCC scalarises a byte-vector conversion written with vector types).
+MODELOPT_JAX_CLONES
+void Decode(const uint8_t* in, int64_t count, int64_t padded, const float* lut, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t code = in[i + j], sign = (code & 0x80u) << 24, magnitude = code & 0x7fu;
+      const float subnormal = static_cast<float>(static_cast<int32_t>(magnitude & 7u)) * 0x1p-9f;
+      uint32_t sub_bits;
+      std::memcpy(&sub_bits, &subnormal, sizeof(sub_bits));
+      const uint32_t is_subnormal = 0u - static_cast<uint32_t>((magnitude >> 3) == 0);  // masks, not branches
+      const uint32_t is_nan = 0u - static_cast<uint32_t>(magnitude == 0x7fu);
+      uint32_t bits = (sub_bits & is_subnormal) | (((magnitude << 20) + (120u << 23)) & ~is_subnormal);
+      bits = sign | (bits & ~is_nan) | (0x7fc00000u & is_nan);
+      std::memcpy(out + i + j, &bits, sizeof(bits));
+    }
+  }
+  for (; i < count; ++i) out[i] = lut[in[i]];
+  for (; i < padded; ++i) out[i] = 0.0f;
+}
+
+// Lanes 0..15 (k mod 16) of one output, added in lane order.
+__attribute__((always_inline)) inline float Total(Vec lo, Vec hi) {
+  float total = 0.0f;
+  for (int lane = 0; lane < 8; ++lane) total += lo[lane];
+  for (int lane = 0; lane < 8; ++lane) total += hi[lane];
+  return total;
+}
+
+// acc[r] = sum_k x[k] * w[r * kp + k] for kRows = 4 weight rows; kp is a multiple of kLanes.
+// Products of decoded FP8 values are exact in float32, so a fused multiply-add gives the same bits.
+MODELOPT_JAX_CLONES
+void Dots(const float* x, const float* w, int64_t kp, float* acc) {
+  static_assert(kRows == 4 && kLanes == 16, "the loop below is written out for 4 rows of 2 vectors");
+  const float *w0 = w, *w1 = w + kp, *w2 = w + 2 * kp, *w3 = w + 3 * kp;
+  Vec a0 = {}, b0 = {}, a1 = {}, b1 = {}, a2 = {}, b2 = {}, a3 = {}, b3 = {};
+  for (int64_t k = 0; k < kp; k += kLanes) {
+    const Vec xa = Load(x + k), xb = Load(x + k + 8);
+    a0 += xa * Load(w0 + k), b0 += xb * Load(w0 + k + 8);
+    a1 += xa * Load(w1 + k), b1 += xb * Load(w1 + k + 8);
+    a2 += xa * Load(w2 + k), b2 += xb * Load(w2 + k + 8);
+    a3 += xa * Load(w3 + k), b3 += xb * Load(w3 + k + 8);
+  }
+  acc[0] = Total(a0, b0), acc[1] = Total(a1, b1), acc[2] = Total(a2, b2), acc[3] = Total(a3, b3);
+}
+
 ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
                       ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale, bool has_col_scale,
                       bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle, int32_t raster) {
@@ -79,19 +156,33 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs ext
   const float* lut = Table().value;
   const uint8_t* A = static_cast<const uint8_t*>(p.a);
   const uint8_t* B = static_cast<const uint8_t*>(p.b);
-  for (int64_t m = 0; m < p.m; ++m) {
-    for (int64_t n = 0; n < p.n; ++n) {
-      float acc = 0.0f;  // FP8 x FP8 products are exact in float32; accumulate in float32
-      for (int64_t k = 0; k < p.k; ++k) acc += lut[A[m * p.k + k]] * lut[B[n * p.k + k]];
-      float v = p.alpha * acc;
-      if (p.row_scale) v *= p.row_scale[m];
-      if (p.col_scale) v *= p.col_scale[n];
-      if (p.bias) v += p.bias[n];
-      int64_t i = m * p.n + n;
-      switch (p.out_type) {
-        case OutType::kBF16: static_cast<uint16_t*>(p.out)[i] = ToBF16(v); break;
-        case OutType::kF16: static_cast<uint16_t*>(p.out)[i] = ToF16(v); break;
-        case OutType::kF32: static_cast<float*>(p.out)[i] = v; break;
+  const int64_t kp = (p.k + kLanes - 1) / kLanes * kLanes;
+  const int64_t block = p.m < kRowBlock ? p.m : kRowBlock;
+  std::vector<float> x(block * kp), w(kRows * kp);
+  for (int64_t m0 = 0; m0 < p.m; m0 += block) {
+    const int64_t m1 = p.m - m0 < block ? p.m : m0 + block;
+    for (int64_t m = m0; m < m1; ++m) Decode(A + m * p.k, p.k, kp, lut, x.data() + (m - m0) * kp);
+    for (int64_t n0 = 0; n0 < p.n; n0 += kRows) {
+      const int rows = p.n - n0 < kRows ? static_cast<int>(p.n - n0) : kRows;
+      for (int r = 0; r < kRows; ++r) {  // rows past N decode as zeros and are never stored
+        Decode(B + (n0 + (r < rows ? r : 0)) * p.k, r < rows ? p.k : 0, kp, lut, w.data() + r * kp);
+      }
+      for (int64_t m = m0; m < m1; ++m) {
+        float acc[kRows];
+        Dots(x.data() + (m - m0) * kp, w.data(), kp, acc);
+        for (int r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          float v = p.alpha * acc[r];
+          if (p.row_scale) v *= p.row_scale[m];
+          if (p.col_scale) v *= p.col_scale[n];
+          if (p.bias) v += p.bias[n];
+          const int64_t i = m * p.n + n;
+          switch (p.out_type) {
+            case OutType::kBF16: static_cast<uint16_t*>(p.out)[i] = ToBF16(v); break;
+            case OutType::kF16: static_cast<uint16_t*>(p.out)[i] = ToF16(v); break;
+            case OutType::kF32: static_cast<float*>(p.out)[i] = v; break;
+          }
+        }
       }
     }
   }
@@ -100,6 +191,10 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs ext
 
 }  // namespace
 }  // namespace modelopt_jax
+
+// 2: the blocked, vectorised handler above. A library without this symbol has the element-by-element
+// reference loop, which is slower than XLA's dot beyond M = 1, so "auto" does not pick it.
+extern "C" __attribute__((visibility("default"))) int32_t ModeloptFp8GemmCpuVersion() { return 2; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCpu, modelopt_jax::Fp8GemmCpu,
                               modelopt_jax::BindFp8GemmOperands(xla::ffi::Ffi::Bind()));

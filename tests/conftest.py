@@ -31,3 +31,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def scan_path(request, monkeypatch):
+    """Runs a test once through the loader's native NaN/inf scan and once through its numpy fallback
+    (what a machine without the CPU library runs); the native run fails on a stale library."""
+    from modelopt_jax.checkpoint import finite_scan
+    from modelopt_jax.ops import native
+
+    if request.param == "native":
+        if native.cpu_library() is None:
+            pytest.skip(f"{native.CPU_LIB} is not built here")
+        assert finite_scan.native_available(), f"{native.CPU_LIB} lacks ModeloptJaxReadScan: rebuild it"
+    else:
+        monkeypatch.setattr(finite_scan, "_native", lambda: None)
+    return request.param

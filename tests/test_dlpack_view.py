@@ -75,3 +75,49 @@ def test_interpreter_exit_with_live_views_is_clean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "alive 8" in out.stdout
+
+
+def _peer_closed(sock, wait: float = 0.0) -> bool:
+    """Whether the other end of ``sock`` has been closed (EOF), waiting up to ``wait`` seconds."""
+    sock.settimeout(wait)  # 0: non-blocking
+    try:
+        return sock.recv(1) == b""
+    except (BlockingIOError, TimeoutError):
+        return False
+
+
+def test_lease_closes_when_the_last_view_dies():
+    """The weight-cache client's lease on the daemon (its attach connection) is handed to Views and
+    closed by the C deleter when no view is left, which tells a stopping daemon it may free its store."""
+    import socket
+
+    ours, daemons_end = socket.socketpair()
+    buf, base = _aligned(1 << 14)
+    views = Views(base, buf.nbytes, device_type=DL_CPU, device_id=_host_device_id(), lease_fd=ours.detach())
+    kept = [views.array(i * 256, "bfloat16", (8, 8)) for i in range(3)]
+    assert views.alive == 3 and views.lease_open
+    del kept[:2]
+    gc.collect()
+    assert views.alive == 1 and views.lease_open and not _peer_closed(daemons_end)
+    del kept
+    gc.collect()
+    assert views.alive == 0 and not views.lease_open
+    assert _peer_closed(daemons_end, wait=5)
+    views.close_lease()  # idempotent: the descriptor is not closed twice (it may be someone else's by now)
+    with pytest.raises(WeightCacheError, match="attachment was released"):
+        views.array(0, "bfloat16", (8, 8))  # the daemon may have freed the memory by now
+    daemons_end.close()
+
+
+def test_lease_closed_when_the_attachment_ends_without_views():
+    import socket
+
+    ours, daemons_end = socket.socketpair()
+    buf, base = _aligned(4096)
+    views = Views(base, buf.nbytes, device_type=DL_CPU, device_id=_host_device_id(), lease_fd=ours.detach())
+    with pytest.raises(WeightCacheError, match="does not fit"):
+        views.array(4000, "float32", (32,))
+    assert views.lease_open  # a refused view never counted
+    views.close_lease()
+    assert not views.lease_open and _peer_closed(daemons_end, wait=5)
+    daemons_end.close()

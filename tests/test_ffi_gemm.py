@@ -74,6 +74,52 @@ def test_cpu_handler_matches_float64(request, variant, m, n, k, out_dtype, on_cp
     np.testing.assert_allclose(got, np.asarray(xla, np.float64), rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_every_fp8_code_decodes_exactly(on_cpu):
+    """Each of the 254 finite e4m3fn codes (subnormals included: XLA's threads flush denormal floats
+    to zero, so the handler must never build one) times 1.0, through the vectorised decode (blocks of
+    16) and the table for the tail; the two NaN codes poison exactly their outputs."""
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    k = codes.size  # 254: 15 blocks of 16 and a tail of 14
+    x = codes.view(E4M3).reshape(1, k)
+    w = np.zeros((k, k), E4M3)
+    np.fill_diagonal(w, 1.0)
+    y = np.asarray(fp8_gemm(jnp.asarray(x), jnp.asarray(w), x_scale=1.0, w_scale=1.0, out_dtype=jnp.float32,
+                            backend="cutlass"))
+    np.testing.assert_array_equal(y[0], codes.view(E4M3).astype(np.float32))
+    for nan in (0x7F, 0xFF):
+        xn = np.full((1, 32), 0x38, np.uint8)  # 1.0
+        xn[0, 20] = nan
+        wn = np.ones((3, 32), E4M3)
+        wn[1, 20] = 0.0  # NaN * 0 is still NaN
+        y = np.asarray(fp8_gemm(jnp.asarray(xn.view(E4M3)), jnp.asarray(wn), x_scale=1.0, w_scale=1.0,
+                                out_dtype=jnp.float32, backend="cutlass"))
+        assert np.isnan(y).all(), (hex(nan), y)
+
+
+def test_auto_on_cpu_runs_our_handler_for_few_rows_and_xla_beyond(request, on_cpu):
+    """"auto" on CPU: our handler up to CPU_HANDLER_MAX_ROWS rows (where it is faster than XLA:CPU,
+    which converts the whole weight on every call), XLA's dot beyond; the HLO says which, and each
+    gives the bits of the backend it names."""
+    from modelopt_jax.ops.gemm import CPU_HANDLER_MAX_ROWS
+
+    if not native.has_fast_cpu_handler():
+        pytest.skip(f"{native.CPU_LIB} predates the blocked CPU handler")
+    rng = _rng(request)
+    w_q = jnp.asarray(_fp8(rng, (40, 96)))
+    for m in (1, CPU_HANDLER_MAX_ROWS, CPU_HANDLER_MAX_ROWS + 1):
+        x_q = jnp.asarray(_fp8(rng, (m, 96)))
+
+        def gemm(a, b, backend="auto"):
+            return fp8_gemm(a, b, x_scale=0.125, w_scale=np.linspace(0.5, 1, 40, dtype=np.float32),
+                            out_dtype=jnp.bfloat16, backend=backend)
+
+        text = jax.jit(gemm).lower(x_q, w_q).as_text()
+        ours = m <= CPU_HANDLER_MAX_ROWS
+        assert ("custom_call @modelopt_fp8_gemm" in text) == ours and ("dot_general" in text) != ours, m
+        want = gemm(x_q, w_q, "cutlass" if ours else "xla")
+        np.testing.assert_array_equal(np.asarray(gemm(x_q, w_q), np.float32), np.asarray(want, np.float32))
+
+
 def test_every_element_is_written(request, on_cpu):
     rng = _rng(request)
     x_q, w_q = jnp.asarray(_fp8(rng, (9, 32))), jnp.asarray(_fp8(rng, (24, 32)))
@@ -143,10 +189,11 @@ def test_auto_lowers_to_our_custom_call_for_cuda_with_static_alpha(request):
     assert "alpha = 6.250000e-02 : f32" in call.group(0) and "has_row_scale = false" in call.group(0)
     assert all(a in call.group(0) for a in ("tile = -1 : i32", "swizzle = 1 : i32", "raster = 0 : i32"))
     assert len(call.group(1).split(",")) == 2  # only a and b: the scales are attributes, not buffers
-    # Lowering for the CPU picks XLA's dot instead.
+    # Lowering the same call for the CPU picks the CPU rule (see test_auto_on_cpu_...).
     cpu = jax.jit(lambda a, b: fp8_gemm(a, b, x_scale=0.125, w_scale=0.5, out_dtype=jnp.bfloat16)).trace(
         x_q, w_q).lower(lowering_platforms=("cpu",)).as_text()
-    assert "modelopt_fp8_gemm" not in cpu and "dot_general" in cpu
+    assert ("modelopt_fp8_gemm" in cpu) == native.has_fast_cpu_handler() and ("dot_general" in cpu) != \
+        native.has_fast_cpu_handler()
 
 
 @cuda_lib

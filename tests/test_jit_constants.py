@@ -30,11 +30,26 @@ def _hlo_constants(text: str) -> np.ndarray:
     return np.concatenate(values)
 
 
+def _gemm_alphas(text: str) -> np.ndarray:
+    """The ``alpha`` attribute of every modelopt_fp8_gemm custom call (decimal, or hex when MLIR
+    cannot print the value exactly in decimal)."""
+    found = re.findall(r"alpha = ([-+0-9.eEx]+) : f32", text)
+    return np.asarray([np.uint32(int(v, 16)).view(np.float32) if v.startswith("0x") else np.float32(v) for v in found],
+                      np.float32)
+
+
+@pytest.mark.parametrize("backend", ["xla", "auto"])
 @pytest.mark.parametrize("name", ["llama-tiny-fp8", "qwen2-tiny-fp8-pc-pt"])
-def test_only_weights_and_inputs_are_arguments_and_scales_are_constants(name):
-    model = modelopt_jax.load(fixture_dir(name), dtype="float32")
+def test_only_weights_and_inputs_are_arguments_and_scales_are_constants(name, backend):
+    """With "xla" the GEMM is a dot and alpha an HLO constant; with "auto" on CPU (our handler for
+    these 8 rows, when the library is built) every FP8 layer is our custom call and alpha its
+    attribute. Either way no scale is an argument."""
+    from modelopt_jax.ops import native
+
+    model = modelopt_jax.load(fixture_dir(name), dtype="float32", backend=backend)
     forward, state = jit_forward(model)
     text = forward.lower(state, jnp.zeros((1, 8), jnp.int32)).as_text()
+    custom_calls = len(re.findall(r"custom_call @modelopt_fp8_gemm", text))
     args = re.findall(r"%arg\d+: tensor<([^>]*)>", text.split("\n", 2)[1])
     leaves = jax.tree_util.tree_leaves(state)
     # Arguments: one per weight array (FP8 weights, bf16 norms/embeddings/biases) plus input_ids.
@@ -45,7 +60,9 @@ def test_only_weights_and_inputs_are_arguments_and_scales_are_constants(name):
     fp8_layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Fp8Linear)]
     assert fp8_args == len(fp8_layers) > 0
 
-    consts = _hlo_constants(text)
+    ours = backend == "auto" and native.has_fast_cpu_handler()
+    assert custom_calls == (len(fp8_layers) if ours else 0)
+    consts = np.concatenate([_hlo_constants(text), _gemm_alphas(text)])
     for layer in fp8_layers:
         epilogue = layer.epilogue
         if epilogue.col is not None:  # per-channel / unequal fused shards: a vector

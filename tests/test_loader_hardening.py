@@ -109,7 +109,7 @@ def _poke(ckpt, name, offset_elems, raw: bytes):
 
 
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_fp8_nan_code_in_a_weight_refused(ckpt, code):
+def test_fp8_nan_code_in_a_weight_refused(ckpt, code, scan_path):
     name = "model.layers.1.mlp.up_proj.weight"
     info = _poke(ckpt, name, 37, bytes([code]))
     with pytest.raises(NonFiniteTensorError, match=f"tensor '{name}' \\(F8_E4M3\\) holds 1 non-finite value"
@@ -117,7 +117,7 @@ def test_fp8_nan_code_in_a_weight_refused(ckpt, code):
         load(ckpt)
 
 
-def test_inf_in_a_bf16_norm_weight_refused(ckpt):
+def test_inf_in_a_bf16_norm_weight_refused(ckpt, scan_path):
     name = "model.layers.0.post_attention_layernorm.weight"
     assert Checkpoint.open(ckpt).info(name).dtype == "BF16"
     _poke(ckpt, name, 5, struct.pack("<H", 0x7F80))  # bf16 +inf
@@ -126,5 +126,16 @@ def test_inf_in_a_bf16_norm_weight_refused(ckpt):
         load(ckpt)
 
 
-def test_finite_checkpoint_still_loads(ckpt):
+def test_finite_checkpoint_still_loads(ckpt, scan_path):
     assert np.isfinite(np.asarray(load(ckpt, dtype="float32")(np.array([[1, 2, 3]], np.int32)))).all()
+
+
+def test_shard_truncated_after_open_is_a_typed_error(ckpt, scan_path):
+    """The header was checked when the checkpoint was opened; the file shrinks before its tensors are read."""
+    opened = Checkpoint.open(ckpt)
+    name = "model.layers.1.mlp.up_proj.weight"
+    info = opened.info(name)
+    os.truncate(info.file, info.begin + 10)
+    with pytest.raises(CheckpointError, match=f"{info.file}: tensor '{name}': expected {info.nbytes} bytes, read 10; "
+                                              f"file truncated"):
+        opened.read(name)

@@ -6,12 +6,18 @@ test_weight_cache.py, which exercises CUDA IPC mode too when run on a GPU).
 - every array is a view into the daemon's one allocation, and a second attach in the same
   process maps the same allocation at the same address;
 - the compiled forward still calls our CUTLASS GEMM (the custom call is in the compiled HLO)
-  with static scales folded in, and its logits equal the ordinary load's bit for bit.
+  with static scales folded in, and its logits equal the ordinary load's bit for bit;
+- ``stop`` never frees the allocation under an attached client (``cuMemFree`` under an importer's
+  mapping is undocumented): the daemon keeps it, and serves ``status``, until the client's last
+  view is gone, then frees it and exits.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +29,7 @@ from fixture_paths import fixture_dir
 from modelopt_jax import load
 from modelopt_jax.synthetic import write_checkpoint
 from modelopt_jax.weight_cache import cuda_store
+from modelopt_jax.weight_cache.client import request
 from test_weight_cache import DaemonProcess, _assert_same_arrays, _leaves, _store_offsets
 
 pytestmark = pytest.mark.gpu
@@ -98,3 +105,29 @@ def test_attached_forward_calls_the_cutlass_gemm(tmp_path):
     assert len(re.findall(r'custom_call_target="modelopt_fp8_gemm"', hlo)) >= 2
     ordinary = load(path, dtype="bfloat16")
     assert np.array_equal(np.asarray(forward(state, ids)), np.asarray(ordinary(ids)))
+
+
+def test_stop_keeps_the_allocation_until_the_last_client_detaches(big_ckpt, tmp_path):
+    daemon = DaemonProcess(big_ckpt, tmp_path / "sock", dtype="bfloat16")
+    try:
+        attached = load(big_ckpt, dtype="bfloat16", weight_cache="require", weight_cache_dir=daemon.dir)
+        ids = jnp.asarray(np.random.default_rng(1).integers(0, 1000, (2, 16)), jnp.int32)
+        want = np.asarray(attached(ids))
+        reply = request("stop", socket_dir=daemon.dir)
+        assert reply["draining"] and reply["clients"] == 1, reply
+        time.sleep(2)
+        assert daemon.proc.poll() is None  # holds the allocation for us
+        status = request("status", socket_dir=daemon.dir)
+        assert status["stopping"] and status["client_pids"] == [os.getpid()]
+        assert load(big_ckpt, dtype="bfloat16", weight_cache="auto", weight_cache_dir=daemon.dir).info.weights \
+            == "disk"  # no new client while it stops
+        assert np.array_equal(np.asarray(attached(ids)), want)  # still reads the daemon's memory, unchanged
+        del attached  # the last view dies: the C deleter closes the lease
+        deadline = time.monotonic() + 60
+        while daemon.proc.poll() is None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.1)
+        assert daemon.proc.returncode == 0, daemon.output()
+        assert os.listdir(daemon.dir) == []  # socket and lock removed once it freed the allocation
+    finally:
+        daemon.stop()

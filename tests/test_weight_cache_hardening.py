@@ -7,6 +7,7 @@ namespaces (``unshare``); each case is skipped, with the reason, where the machi
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -457,3 +458,95 @@ def test_accept_emfile_does_not_stop_the_daemon(fp8_daemon_small):
     assert d.proc.poll() is None
     assert request("status", socket_dir=d.dir)["ok"]
     assert load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=d.dir).info.weights == "daemon"
+
+
+# ---- 16: leases -- which clients still view the store, and a store that must outlive stop does ------------
+def _eventually(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()  # a dropped model's arrays release their views (and with them the lease)
+        time.sleep(0.05)
+    return True
+
+
+def _clients(socket_dir) -> list[int]:
+    return request("status", socket_dir=socket_dir)["client_pids"]
+
+
+def test_status_counts_attached_clients_until_they_detach(fp8_daemon_small):
+    d, ckpt = fp8_daemon_small
+    assert _eventually(lambda: _clients(d.dir) == [])  # earlier tests' models are gone
+    a = load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=d.dir)
+    b = load(ckpt, dtype="float32", weight_cache="require", weight_cache_dir=d.dir)
+    assert _clients(d.dir) == [os.getpid(), os.getpid()]
+    del a
+    assert _eventually(lambda: _clients(d.dir) == [os.getpid()])
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom modelopt_jax import load\n"
+        f"m = load({str(ckpt)!r}, dtype='float32', weight_cache='require', weight_cache_dir={d.dir!r})\n"
+        "print('attached', flush=True)\ntime.sleep(600)\n")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "attached"
+        assert sorted(_clients(d.dir)) == sorted([os.getpid(), child.pid])
+    finally:
+        child.kill()  # a client that dies releases its lease with its socket
+        child.wait()
+    assert _eventually(lambda: _clients(d.dir) == [os.getpid()])
+    del b
+    assert _eventually(lambda: _clients(d.dir) == [])
+
+
+def test_stop_unlinks_shared_memory_at_once_and_clients_keep_their_mapping(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", seed=3, **SMALL)
+    d = DaemonProcess(tmp_path / "ckpt", tmp_path / "sock")
+    try:
+        model = load(tmp_path / "ckpt", dtype="float32", weight_cache="require", weight_cache_dir=d.dir)
+        want = _logits(model)
+        name = request("status", socket_dir=d.dir)["shm_name"]
+        reply = request("stop", socket_dir=d.dir)
+        assert reply["clients"] == 1 and not reply["draining"]  # POSIX keeps an unlinked segment's pages mapped
+        assert d.proc.wait(20) == 0
+    finally:
+        d.stop()
+    assert not _shm_exists(name) and os.listdir(d.dir) == []
+    assert np.array_equal(_logits(model), want)
+
+
+def test_stop_waits_for_the_last_client_when_the_store_must(tmp_path):
+    """The CUDA store's rule (no cuMemFree under a client's IPC mapping), run on a host store told
+    to follow it: the daemon in this process, its store's ``free`` recorded."""
+    from modelopt_jax.weight_cache.daemon import Daemon
+
+    write_checkpoint(tmp_path / "ckpt", seed=4, **SMALL)
+    daemon = Daemon(tmp_path / "ckpt", socket_dir=tmp_path / "sock", dtype="float32")
+    daemon.prepare()
+    daemon.listen()
+    store = daemon.store
+    freed, free = [], store.free
+    store.free_waits_for_clients = True  # as cuda_store.Slab
+    store.free = lambda: (freed.append(True), free())
+    server = threading.Thread(target=lambda: (daemon.serve_forever(), daemon.shutdown()), daemon=True)
+    server.start()
+    opts = dict(dtype="float32", weight_cache_dir=daemon.dir)
+    try:
+        model = load(tmp_path / "ckpt", weight_cache="require", **opts)
+        want = _logits(model)
+        reply = request("stop", socket_dir=daemon.dir)
+        assert (reply["clients"], reply["draining"]) == (1, True), reply
+        time.sleep(0.5)
+        assert server.is_alive() and not freed
+        status = request("status", socket_dir=daemon.dir)  # still answers while it drains
+        assert status["stopping"] and status["client_pids"] == [os.getpid()]
+        with pytest.raises(WeightCacheError, match="the daemon of device 0 is stopping"):  # no new client
+            load(tmp_path / "ckpt", weight_cache="require", weight_cache_timeout=5, **opts)
+        assert load(tmp_path / "ckpt", weight_cache="auto", **opts).info.weights == "disk"
+        assert np.array_equal(_logits(model), want) and not freed
+        del model  # the last view dies: the lease closes, the daemon frees its store and exits
+        assert _eventually(lambda: not server.is_alive())
+        assert freed == [True] and os.listdir(daemon.dir) == []
+    finally:  # on a failure above: stop without waiting, so the thread frees the segment and ends
+        store.free_waits_for_clients = False
+        daemon.stop_event.set()
+        server.join(10)

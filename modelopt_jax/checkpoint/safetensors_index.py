@@ -21,6 +21,7 @@ from typing import Iterator
 import ml_dtypes
 import numpy as np
 
+from modelopt_jax.checkpoint import finite_scan
 from modelopt_jax.checkpoint.files import open_regular
 from modelopt_jax.errors import CheckpointError, DtypeMismatchError, MissingTensorError, NonFiniteTensorError
 
@@ -94,52 +95,15 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-# Per storage dtype: (signed view, unsigned view, E) with E the exponent bits (e4m3fn: exponent and
-# mantissa, its only NaN codes being S.1111.111). Non-finite means |bits| >= E: a positive one is
-# >= E as a signed integer, a negative one >= sign|E as an unsigned integer.
-_NONFINITE_BITS = {
-    "F8_E4M3": (np.int8, np.uint8, 0x7F),
-    "F8_E5M2": (np.int8, np.uint8, 0x7C),
-    "BF16": (np.int16, np.uint16, 0x7F80),
-    "F16": (np.int16, np.uint16, 0x7C00),
-    "F32": (np.int32, np.uint32, 0x7F800000),
-    "F64": (np.int64, np.uint64, 0x7FF0000000000000),
-}
-_SCAN_CHUNK_BYTES = 1 << 20  # the second reduction of a chunk reads it from cache
-
-
-def _has_nonfinite(flat: np.ndarray, spec) -> bool:
-    signed, unsigned, exp = spec
-    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
-    return int(flat.view(signed).max()) >= exp or int(flat.view(unsigned).max()) >= (sign | exp)
-
-
-def check_finite(info: "TensorInfo", array: np.ndarray, *, scanned: bool = False) -> None:
-    """Raises NonFiniteTensorError if a float tensor holds NaN or infinity (FP8: a NaN code).
-
-    Two read-only integer max-reductions per cache-sized chunk (SIMD in numpy, nothing written):
-    several times cheaper than ``np.isfinite`` through ml_dtypes, or a mask-and-compare pass.
-    """
-    spec = _NONFINITE_BITS.get(info.dtype)
-    if spec is None or array.size == 0:
-        return
-    signed, unsigned, exp = spec
-    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+def raise_nonfinite(info: "TensorInfo", array: np.ndarray, first: int) -> None:
+    """Raises NonFiniteTensorError for ``array`` (tensor ``info``), whose first NaN/inf is at flat index ``first``."""
     flat = array.reshape(-1)
-    u_bits = flat.view(unsigned)
-    if not scanned:
-        step = max(_SCAN_CHUNK_BYTES // flat.itemsize, 1)
-        if not any(_has_nonfinite(flat[i:i + step], spec) for i in range(0, flat.size, step)):
-            return
-    bad = (u_bits & unsigned(sign - 1)) >= exp  # the slow path: only for the error message
-    first = int(np.argmax(bad))
+    count = int(finite_scan.nonfinite_mask(flat, info.dtype).sum())  # the slow, exact pass: errors only
     index = [int(i) for i in np.unravel_index(first, info.shape)] if info.shape else []
+    raw = int(flat[first:first + 1].view(finite_scan.NONFINITE_BITS[info.dtype][1])[0])
     raise NonFiniteTensorError(
-        f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {int(bad.sum())} non-finite value(s) (NaN or inf), "
-        f"e.g. {float(flat[first])} at index {index} (raw bits 0x{int(u_bits[first]):x}); weights must be finite")
-
-
-_check_array = check_finite  # SafetensorsIndex.read's keyword of the same name hides it there
+        f"{info.file}: tensor {info.name!r} ({info.dtype}) holds {count} non-finite value(s) (NaN or inf), "
+        f"e.g. {float(flat[first])} at index {index} (raw bits 0x{raw:x}); weights must be finite")
 
 
 def _read_header(path: str) -> dict[str, TensorInfo]:
@@ -298,27 +262,14 @@ class SafetensorsIndex:
                 f"{info.file}: tensor {name!r} has dtype {info.dtype}, which this package cannot read "
                 f"(supported: {', '.join(NUMPY_DTYPES)})")
         out = aligned_empty(info.shape, np_dtype)
-        flat = out.reshape(-1)
-        view = memoryview(flat.view(np.uint8))
-        spec = _NONFINITE_BITS.get(info.dtype) if check_finite else None
-        # With the check, read in cache-sized chunks and scan each while it is still in cache.
-        step = _SCAN_CHUNK_BYTES if spec is not None else max(info.nbytes, 1)
-        got, bad = 0, False
         try:
             with open_regular(info.file) as f:
-                f.seek(info.begin)
-                while got < info.nbytes:
-                    n = f.readinto(view[got:got + step])
-                    if not n:
-                        break
-                    if spec is not None and not bad:
-                        bad = _has_nonfinite(flat[got // flat.itemsize:(got + n) // flat.itemsize], spec)
-                    got += n
+                got, first = finite_scan.read_into(f, info.begin, out, info.dtype if check_finite else None)
         except OSError as e:
             raise CheckpointError(f"{info.file}: tensor {name!r}: read failed: {e}") from e
         if got != info.nbytes:
             raise CheckpointError(
                 f"{info.file}: tensor {name!r}: expected {info.nbytes} bytes, read {got}; file truncated?")
-        if bad:
-            _check_array(info, out, scanned=True)  # raises, naming the first bad element
+        if first >= 0:
+            raise_nonfinite(info, out, first)
         return out

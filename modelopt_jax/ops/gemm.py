@@ -14,10 +14,13 @@ Backends register an implementation under a name:
 
 - ``"xla"``: XLA's own FP8 dot with float32 accumulation and the epilogue as XLA ops (any platform).
 - ``"cutlass"``: our ``modelopt_fp8_gemm`` XLA FFI custom call: the CUTLASS kernel on CUDA, the
-  C++ reference handler on CPU (so CI exercises the real FFI plumbing).
+  C++ handler on CPU (so CI exercises the real FFI plumbing).
 - ``"auto"``: chosen per platform at lowering time (``jax.lax.platform_dependent``): ``"cutlass"``
   on CUDA when the CUDA library is built and the call qualifies (bf16/fp16 output and the
-  alignment of :func:`~modelopt_jax.ops.alignment.cutlass_can_run`), ``"xla"`` everywhere else.
+  alignment of :func:`~modelopt_jax.ops.alignment.cutlass_can_run`); on CPU the C++ handler when
+  the CPU library (a current build of it) is present and M <= :data:`CPU_HANDLER_MAX_ROWS` (decode steps: XLA:CPU converts
+  the whole FP8 weight to float on every call, which the handler does not, so it is 3-9x faster
+  there; for larger M XLA's dot wins, bench/RESULTS.md "FP8 GEMM on CPU"); ``"xla"`` everywhere else.
 """
 
 from __future__ import annotations
@@ -153,16 +156,25 @@ def _cutlass_qualifies(x_q, w_q, out_dtype) -> bool:
     return jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16) and cutlass_can_run(n, k)
 
 
+# "auto" runs our CPU handler up to this many rows (M); measured on a 2-core EPYC (bench/RESULTS.md):
+# 3-9x faster than XLA at M <= 16, even at M = 64, 1.8x slower at M = 256.
+CPU_HANDLER_MAX_ROWS = 32
+
+
 def _auto(x_q, w_q, **kwargs):
-    """XLA everywhere, except CUDA with our kernel built and a qualifying call: chosen at lowering."""
+    """Per platform, chosen at lowering: our CUDA kernel for a qualifying call, our CPU handler for
+    few rows, XLA otherwise (and wherever the library is not built)."""
     from modelopt_jax.ops import ffi_gemm, native
 
     native.warn_if_gpu_without_kernels()
-    if not (native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"])):
+    branches = {}
+    if native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"]):
+        branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
+    if native.has_fast_cpu_handler() and x_q.shape[0] <= CPU_HANDLER_MAX_ROWS:
+        branches["cpu"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
+    if not branches:
         return _xla_fp8_gemm(x_q, w_q, **kwargs)
-    return jax.lax.platform_dependent(
-        x_q, w_q, cuda=lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs),
-        default=lambda x, w: _xla_fp8_gemm(x, w, **kwargs))
+    return jax.lax.platform_dependent(x_q, w_q, **branches, default=lambda x, w: _xla_fp8_gemm(x, w, **kwargs))
 
 
 def _register_native() -> None:

@@ -91,6 +91,13 @@ def has_cpu_handler() -> bool:
     return cpu_library() is not None
 
 
+def has_fast_cpu_handler() -> bool:
+    """The CPU handler is the blocked one (``ModeloptFp8GemmCpuVersion`` >= 2), which beats XLA:CPU
+    for few rows; a library built before it has a reference loop that "auto" must not pick."""
+    lib = cpu_library()
+    return lib is not None and hasattr(lib, "ModeloptFp8GemmCpuVersion") and lib.ModeloptFp8GemmCpuVersion() >= 2
+
+
 def has_cuda_handler() -> bool:
     return cuda_library() is not None
 

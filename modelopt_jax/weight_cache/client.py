@@ -66,6 +66,13 @@ def request(op: str, *, socket_dir=None, device: int = 0, timeout: float = 30.0,
     that the process listening on the socket runs as this user (SO_PEERCRED); raises
     :class:`WeightCachePermissionError` otherwise and WeightCacheError if no daemon answers.
     """
+    reply, sock = _exchange(op, socket_dir=socket_dir, device=device, timeout=timeout, fields=fields)
+    sock.close()
+    return reply
+
+
+def _exchange(op: str, *, socket_dir, device: int, timeout: float, fields: dict) -> tuple[dict, socket.socket]:
+    """:func:`request`, returning the still open connection too (an attach's lease)."""
     directory = paths.resolve_dir(socket_dir)
     path = paths.socket_path(directory, device)
     if not paths.check_private_dir(directory):
@@ -80,11 +87,13 @@ def request(op: str, *, socket_dir=None, device: int = 0, timeout: float = 30.0,
                                              f"process's uid {os.getuid()}; refusing to talk to it")
         protocol.send(sock, {"op": op, **fields})
         try:
-            return protocol.recv(sock, timeout=max(deadline - time.monotonic(), 0.01), max_bytes=protocol.MAX_REPLY)
+            reply = protocol.recv(sock, timeout=max(deadline - time.monotonic(), 0.01), max_bytes=protocol.MAX_REPLY)
         except EOFError as e:
             raise WeightCacheError(f"the weight-cache daemon at {path} closed the connection") from e
-    finally:
+    except BaseException:
         sock.close()
+        raise
+    return reply, sock
 
 
 def stop(*, socket_dir=None, device: int = 0, timeout: float = 30.0) -> dict:
@@ -110,13 +119,15 @@ def stop(*, socket_dir=None, device: int = 0, timeout: float = 30.0) -> dict:
                            f"{', '.join(removed) or 'nothing'}"}
 
 
-def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: float) -> dict:
+def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: float) -> tuple[dict, int]:
+    """The daemon's attach reply and the connection's file descriptor, which stays open as the
+    client's lease on the store (see :mod:`.daemon`): whoever maps the store takes it over."""
     directory = paths.resolve_dir(socket_dir)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            reply = request("attach", socket_dir=directory, device=device, fingerprint=fp,
-                            timeout=max(deadline - time.monotonic(), 0.05))
+            reply, sock = _exchange("attach", socket_dir=directory, device=device, fields={"fingerprint": fp},
+                                    timeout=max(deadline - time.monotonic(), 0.05))
             break
         except WeightCacheNotServingError:
             # still loading? (a daemon holds the lock, no socket yet): only "require" waits. A daemon
@@ -125,9 +136,10 @@ def _attach_reply(fp: dict, *, socket_dir, device: int, mode: str, timeout: floa
                 raise
             time.sleep(0.1)
     if not reply.get("ok"):
+        sock.close()
         mismatch = reply.get("mismatch") or []
         raise WeightCacheError(f"weight-cache daemon refused to attach: {reply.get('error')}", mismatch=mismatch)
-    return reply
+    return reply, sock.detach()  # a bare descriptor: no socket object may close it behind the store's back
 
 
 def _attach_rank(ckpt, *, dtype, backend: str, options, device: int, rank: int = 0, tensor_parallel: int = 1):
@@ -136,22 +148,30 @@ def _attach_rank(ckpt, *, dtype, backend: str, options, device: int, rank: int =
     fp = fingerprint.compute(ckpt, dtype=dtype.name, backend=backend, device=where.label, rank=rank,
                              tensor_parallel=tensor_parallel)
     timeout = DEFAULT_TIMEOUT if options.timeout is None else float(options.timeout)
-    reply = _attach_reply(fp, socket_dir=options.socket_dir, device=device, mode=options.mode, timeout=timeout)
-    try:
+    reply, lease = _attach_reply(fp, socket_dir=options.socket_dir, device=device, mode=options.mode,
+                                 timeout=timeout)
+    try:  # everything that can be wrong with the reply, before a store takes the lease over
         if reply.get("store", "host") != where.store:
             raise WeightCacheError(f"weight-cache daemon keeps a {reply.get('store')!r} store; this process needs "
                                    f"{where.store!r}")
+        plan, index = ModelPlan.from_json(reply["plan"]), reply["index"]
+        where_fields = (reply["ipc_handle"], reply["alloc_bytes"]) if where.store == "cuda" else (reply["shm_name"],)
+    except BaseException as e:
+        os.close(lease)
+        if isinstance(e, (KeyError, TypeError, ValueError)):
+            raise WeightCacheError(f"weight-cache daemon sent an inconsistent reply: {e!r}") from e
+        raise
+    try:
         if where.store == "cuda":
             from modelopt_jax.weight_cache import cuda_store
 
-            keep, arrays = cuda_store.attach(reply["ipc_handle"], reply["alloc_bytes"], reply["index"], where.ordinal)
+            keep, arrays = cuda_store.attach(*where_fields, index, where.ordinal, lease)
         else:
-            keep, views = host_store.attach(reply["shm_name"], reply["index"])
-            # 64-byte aligned host pages: adopted by XLA:CPU as the device buffers, not copied
-            arrays = {k: jax.device_put(v, where.jax_device) for k, v in views.items()}
-        return ModelPlan.from_json(reply["plan"]), arrays, keep
+            device = where.jax_device if where.jax_device is not None else jax.local_devices()[0]
+            keep, arrays = host_store.attach(*where_fields, index, device.local_hardware_id or 0, lease)
     except (KeyError, TypeError, ValueError) as e:
         raise WeightCacheError(f"weight-cache daemon sent an inconsistent reply: {e!r}") from e
+    return plan, arrays, keep
 
 
 @dataclasses.dataclass

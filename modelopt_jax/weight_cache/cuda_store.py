@@ -10,6 +10,12 @@ Client side (:func:`attach`): ``cuIpcOpenMemHandle`` maps the allocation once; e
 zero-copy DLPack view into it (:mod:`.dlpack_view`), so an attached client spends no device memory
 on weights. The mapping is closed when the model and every view are gone.
 
+Lifetime: CUDA does not document what an importer sees once the exporter frees an allocation it
+has mapped, so the daemon never does that while a client may still read it. Each client keeps
+its attach connection open as a lease (:mod:`.daemon`); the C DLPack deleter closes it when the
+client's last view dies (or the process ends), and a stopping daemon frees the allocation only
+after the last lease has closed (:attr:`Slab.free_waits_for_clients`).
+
 Both sides use the device's primary context, which is the one XLA uses, through cuda-bindings.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import jax
 import numpy as np
@@ -100,6 +107,8 @@ def _handle_from_bytes(raw: bytes):
 class Slab:
     """The daemon's allocation: freed by :meth:`free` (clean shutdown) or with the process."""
 
+    free_waits_for_clients = True  # see the module docstring: no cuMemFree under a client's mapping
+
     def __init__(self, ordinal: int, nbytes: int):
         self.ordinal, self.nbytes = int(ordinal), int(nbytes)
         self.context = _Context(ordinal)
@@ -158,17 +167,30 @@ def _device_of(ordinal: int):
 
 
 class Mapping:
-    """A client's view of the daemon's allocation; closes the IPC mapping once no array views it."""
+    """A client's view of the daemon's allocation; closes the IPC mapping once no array views it.
 
-    def __init__(self, handle: bytes, nbytes: int, ordinal: int):
+    Takes over ``lease_fd`` (the attach connection): closed when the last view dies, when the
+    mapping closes, or right away if mapping fails.
+    """
+
+    def __init__(self, handle: bytes, nbytes: int, ordinal: int, lease_fd: int = -1):
         from modelopt_jax.weight_cache.dlpack_view import Views
 
-        self.ordinal = int(ordinal)
-        self.context = _Context(ordinal)
-        with self.context:
-            self.base = int(_call("cuIpcOpenMemHandle", _driver().cuIpcOpenMemHandle(
-                _handle_from_bytes(handle), _driver().CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)))
-        self.views = Views(self.base, nbytes, device_id=self.ordinal)
+        self.base = 0
+        try:
+            self.ordinal = int(ordinal)
+            self.context = _Context(ordinal)
+            with self.context:
+                self.base = int(_call("cuIpcOpenMemHandle", _driver().cuIpcOpenMemHandle(
+                    _handle_from_bytes(handle), _driver().CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)))
+            self.views = Views(self.base, nbytes, device_id=self.ordinal, lease_fd=lease_fd)
+        except BaseException:
+            if lease_fd >= 0:
+                os.close(lease_fd)
+            if self.base:
+                with self.context:
+                    _driver().cuIpcCloseMemHandle(self.base)
+            raise
 
     def span(self) -> tuple[int, int]:
         """(address, bytes) of the mapping in this process."""
@@ -179,6 +201,7 @@ class Mapping:
             with self.context:
                 _call("cuIpcCloseMemHandle", _driver().cuIpcCloseMemHandle(self.base))
             self.base = 0
+            self.views.close_lease()  # an attachment without arrays never had a view to end it
         return self.base == 0
 
     def __del__(self):
@@ -188,13 +211,17 @@ class Mapping:
             pass
 
 
-def attach(handle_hex: str, nbytes: int, index: dict, ordinal: int) -> tuple[Mapping, dict[str, jax.Array]]:
-    """Maps the daemon's allocation and returns zero-copy arrays for every index entry."""
+def attach(handle_hex: str, nbytes: int, index: dict, ordinal: int,
+           lease_fd: int = -1) -> tuple[Mapping, dict[str, jax.Array]]:
+    """Maps the daemon's allocation and returns zero-copy arrays for every index entry (taking over
+    ``lease_fd``, see :class:`Mapping`)."""
     try:
         handle = bytes.fromhex(handle_hex)
     except (TypeError, ValueError) as e:
+        if lease_fd >= 0:
+            os.close(lease_fd)
         raise WeightCacheError(f"weight-cache daemon sent a malformed CUDA IPC handle: {e}") from e
-    mapping = Mapping(handle, nbytes, ordinal)
+    mapping = Mapping(handle, nbytes, ordinal, lease_fd)
     arrays = {}
     for key, entry in index.items():
         arrays[key] = mapping.views.array(int(entry["offset"]), entry["dtype"], entry["shape"])

@@ -9,9 +9,17 @@ store (one CUDA allocation exported over IPC on a GPU, POSIX shared memory elsew
 complete cache.
 Each connection gets a thread; peers are checked with SO_PEERCRED (only our own uid is served);
 a bad message, a crashed client or a failed ``accept`` (e.g. out of file descriptors) only ends
-that connection. ``stop`` (or SIGTERM/SIGINT) frees the store and removes socket and lock. The
-lock file names the store's shared-memory segment, so the next holder of the lock (a new daemon,
-or ``weight-cache stop``) removes what a SIGKILLed daemon left behind.
+that connection. The lock file names the store's shared-memory segment, so the next holder of the
+lock (a new daemon, or ``weight-cache stop``) removes what a SIGKILLed daemon left behind.
+
+Leases, and why: a client keeps its attach connection open for as long as any of its arrays views
+the store (it closes when the last view dies, or with the process), and ``status`` lists them.
+``stop`` (or SIGTERM/SIGINT) refuses new attaches at once. A store whose memory may be released
+under its clients (shared memory: unlinking keeps their mappings) is freed right away and the
+daemon exits; a CUDA allocation is freed only after the last lease has closed, because what an
+importer sees after the exporter's ``cuMemFree`` is undocumented. Until then the daemon keeps its
+socket (answering ``status``; ``attach`` gets a "stopping" refusal, so ``auto`` loads from disk)
+and its lock, then removes both and exits.
 """
 
 from __future__ import annotations
@@ -42,11 +50,11 @@ MESSAGE_TIMEOUT = 60.0  # seconds a peer has to send one whole message
 LOCK_WAIT = 1.0  # clients probing the lock hold it shared for microseconds: retry this long before giving up
 
 
-def peer_uid(conn: socket.socket) -> int:
-    """The connecting process's uid from the kernel (struct ucred {pid, uid, gid})."""
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """The connecting process's (pid, uid) from the kernel (struct ucred {pid, uid, gid})."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
 
 
 def process(ckpt, *, dtype, backend: str, where: placement.Placement | None = None, rank: int = 0,
@@ -101,6 +109,8 @@ class Daemon:
         self.listener = None
         self.attaches = 0
         self.started = time.time()
+        self.leases: dict[int, int] = {}  # open attach connections (id -> the client's pid)
+        self.lease_lock = threading.Lock()  # orders an attach's lease against stop (see done)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _lock(self) -> None:
@@ -192,15 +202,32 @@ class Daemon:
         listener.settimeout(0.2)
         self.listener = listener
 
+    def done(self) -> bool:
+        """Stopping, and no lease the store must wait for. An attach checks ``stop_event`` and
+        registers its lease in one critical section of ``lease_lock``, and this reads the leases
+        under that lock after seeing the event set: so it either sees the lease, or the attach sees
+        the event and is refused. (The event itself is set without the lock: signal handlers set it.)"""
+        if not self.stop_event.is_set():
+            return False
+        with self.lease_lock:
+            return not self.leases or not self.store.free_waits_for_clients
+
     def serve_forever(self) -> None:
-        failures, last_logged = 0, 0.0
-        while not self.stop_event.is_set():
+        failures, last_logged, reported = 0, 0.0, None
+        while not self.done():
+            if self.stop_event.is_set():
+                with self.lease_lock:
+                    pids = sorted(self.leases.values())
+                if reported != pids:
+                    reported = pids
+                    log.info("stopping: waiting for %d attached client(s) (pids %s) to detach before freeing the %s",
+                             len(pids), pids, self.store.where)
             try:
                 conn, _ = self.listener.accept()
             except socket.timeout:
                 continue
             except OSError as e:
-                if self.stop_event.is_set() or self.listener is None:
+                if self.listener is None:
                     break
                 # EMFILE/ENFILE/ENOBUFS/ENOMEM/ECONNABORTED: this connection is lost, the daemon is not.
                 # Logged at most once a second: a full fd table fails every 50 ms until it drains.
@@ -239,22 +266,25 @@ class Daemon:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             try:
-                uid = peer_uid(conn)
+                pid, uid = peer_credentials(conn)
                 if uid != self.allowed_uid:
                     log.warning("refused a connection from uid %d", uid)
                     protocol.send(conn, {"ok": False, "error": f"peer uid {uid} is not allowed by this daemon "
                                                                f"(uid {self.allowed_uid} only)", "refused": "uid"})
                     return
-                while not self.stop_event.is_set():
+                while True:
                     try:
                         request = protocol.recv(conn, timeout=self.message_timeout)
                     except EOFError:
                         return
-                    reply = self._reply(request)
-                    protocol.send(conn, reply)
+                    if request.get("op") == "attach" and self._attach(conn, request, pid):
+                        return  # the connection was a lease, and has ended
                     if request.get("op") == "stop":
-                        self.stop_event.set()  # serve() cleans up once the accept loop has ended
+                        protocol.send(conn, self._stop_reply())
+                        self.stop_event.set()  # after the reply: a daemon with nothing to wait for exits at once
                         return
+                    if request.get("op") != "attach":
+                        protocol.send(conn, self._reply(request))
             except WeightCacheProtocolError as e:
                 log.warning("dropping a connection: %s", e)
                 try:
@@ -264,26 +294,60 @@ class Daemon:
             except Exception:  # never let one connection take the daemon down
                 log.exception("error while serving a weight-cache connection")
 
+    def _attach(self, conn: socket.socket, request: dict, pid: int) -> bool:
+        """Answers an attach; if granted, holds the connection as the client's lease until the
+        client closes it (or dies) and returns True. The lease is registered before the reply goes
+        out, so a stop never misses a client that got the store (see :meth:`done`)."""
+        mismatch = fingerprint.diff(self.fingerprint, request.get("fingerprint"))
+        if mismatch:
+            protocol.send(conn, {"ok": False, "error": f"fingerprint mismatch in {', '.join(mismatch)}",
+                                 "mismatch": mismatch})
+            return False
+        with self.lease_lock:
+            if self.stop_event.is_set():
+                refusal = {"ok": False, "stopping": True, "error": f"the daemon of device {self.device} is stopping "
+                           f"(waiting for {len(self.leases)} attached client(s) to detach); start a new one once it "
+                           f"has exited"}
+            else:
+                refusal = None
+                self.leases[id(conn)] = pid
+                self.attaches += 1
+        if refusal is not None:
+            protocol.send(conn, refusal)
+            return False
+        try:
+            protocol.send(conn, self.attach_reply)
+            conn.settimeout(None)  # a lease lasts as long as the client uses the store
+            conn.recv(1)  # EOF: the client closed it or died; a byte: nothing is expected, so also the end
+        except (OSError, WeightCacheProtocolError):
+            pass
+        finally:
+            with self.lease_lock:
+                del self.leases[id(conn)]
+        return True
+
+    def _stop_reply(self) -> dict:
+        with self.lease_lock:
+            clients = len(self.leases)
+        waits = clients > 0 and self.store.free_waits_for_clients
+        return {"ok": True, "stopping": True, "clients": clients, "draining": waits,
+                "message": f"freeing the {self.store.where} once {clients} attached client(s) detach" if waits else
+                f"stopped; {clients} attached client(s) keep their mapping"}
+
     def _status(self) -> dict:
+        with self.lease_lock:
+            client_pids = sorted(self.leases.values())
         return {"ok": True, "pid": os.getpid(), "model": self.model_path, "device": self.device,
                 "family": self.family, "fingerprint": self.fingerprint, **self.store.fields,
                 "tensor_parallel": self.tensor_parallel,
                 "nbytes": self.nbytes, "arrays": len(self.index), "attaches": self.attaches,
+                "clients": len(client_pids), "client_pids": client_pids, "stopping": self.stop_event.is_set(),
                 "uptime_s": time.time() - self.started}
 
-    def _reply(self, request: dict) -> dict | bytes:
+    def _reply(self, request: dict) -> dict:
         op = request.get("op")
         if op == "status":
             return self._status()
-        if op == "stop":
-            return {"ok": True, "stopping": True}
-        if op == "attach":
-            theirs = request.get("fingerprint")
-            mismatch = fingerprint.diff(self.fingerprint, theirs)
-            if mismatch:
-                return {"ok": False, "error": f"fingerprint mismatch in {', '.join(mismatch)}", "mismatch": mismatch}
-            self.attaches += 1
-            return self.attach_reply
         return {"ok": False, "error": f"unknown op {op!r}; expected attach, status or stop"}
 
 

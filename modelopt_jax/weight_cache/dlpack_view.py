@@ -9,9 +9,11 @@ capsule ourselves because no installed producer speaks float8_e4m3fn (CuPy does 
 Lifetime, and why it is built this way: the deleter is the C function ``ModeloptJaxDlpackRelease``
 from our always-built CPU library, not a Python callback, because XLA frees buffers that outlive
 the interpreter after Python has finalized and a Python callback there crashes the process. It
-decrements a live-view counter; :class:`Views` closes the IPC mapping only when the counter is
-zero. The structs and the counter are kept alive for the whole process (a few hundred bytes per
-attach), since XLA may read them after every Python reference is gone.
+decrements a live-view count; :class:`Views` closes the IPC mapping only when the count is zero.
+When the count drops to zero the deleter also closes the client's lease on the daemon (the attach
+connection, whose end tells a stopping daemon that this client no longer views its allocation).
+The structs and the count are kept alive for the whole process (a few hundred bytes per attach),
+since XLA may read them after every Python reference is gone.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
+class _ViewLease(ctypes.Structure):
+    """manager_ctx of every view: ``ViewLease`` in ffi/dlpack_release.cc."""
+
+    _fields_ = [("live", ctypes.c_int64), ("fd", ctypes.c_int32)]
+
+
 class _DLManagedTensor(ctypes.Structure):
     _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
@@ -62,6 +70,12 @@ _KEEP_LOCK = threading.Lock()
 ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))(_KEEP_FOREVER)  # survives the clearing of module globals at exit
 
 
+def keep_forever(obj) -> None:
+    """Keeps ``obj`` (e.g. a mapping that views still read) alive until the process ends."""
+    with _KEEP_LOCK:
+        _KEEP_FOREVER.append(obj)
+
+
 def _native_lib() -> ctypes.CDLL:
     from modelopt_jax.ops import native
 
@@ -69,8 +83,13 @@ def _native_lib() -> ctypes.CDLL:
     if lib is None or not hasattr(lib, "ModeloptJaxDlpackRelease"):
         raise WeightCacheError(f"{native.CPU_LIB} with ModeloptJaxDlpackRelease was not found (rebuild/reinstall "
                                f"modelopt_jax); it is needed to view the weight cache's device memory")
+    if not hasattr(lib, "ModeloptJaxLeaseClose"):
+        raise WeightCacheError(f"{lib._name} predates weight-cache leases (no ModeloptJaxLeaseClose); rebuild/reinstall "
+                               f"modelopt_jax")
     lib.ModeloptJaxCounterAdd.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.ModeloptJaxCounterAdd.restype = None
+    lib.ModeloptJaxLeaseClose.argtypes = [ctypes.c_void_p]
+    lib.ModeloptJaxLeaseClose.restype = None
     return lib
 
 
@@ -88,23 +107,39 @@ class _Producer:
 
 
 class Views:
-    """Zero-copy arrays over ``[base, base + nbytes)`` on one device; counts the arrays still alive."""
+    """Zero-copy arrays over ``[base, base + nbytes)`` on one device; counts the arrays still alive.
 
-    def __init__(self, base: int, nbytes: int, *, device_type: int = DL_CUDA, device_id: int = 0):
+    ``lease_fd``: a file descriptor this object takes over (the client's attach connection), closed
+    by the C deleter as soon as no view is alive any more, or by :meth:`close_lease`.
+    """
+
+    def __init__(self, base: int, nbytes: int, *, device_type: int = DL_CUDA, device_id: int = 0,
+                 lease_fd: int = -1):
         self.base, self.nbytes = int(base), int(nbytes)
         self.device_type, self.device_id = device_type, int(device_id)
-        self.live = ctypes.c_int64(0)
-        with _KEEP_LOCK:
-            _KEEP_FOREVER.append(self.live)
         self._lib = _native_lib()
+        self.lease = _ViewLease(0, int(lease_fd))
+        self._leased = lease_fd >= 0
+        with _KEEP_LOCK:
+            _KEEP_FOREVER.append(self.lease)
         self._release = ctypes.cast(self._lib.ModeloptJaxDlpackRelease, ctypes.c_void_p).value
 
     @property
     def alive(self) -> int:
-        return self.live.value
+        return self.lease.live
+
+    @property
+    def lease_open(self) -> bool:
+        return self.lease.fd >= 0
+
+    def close_lease(self) -> None:
+        """Ends the lease now (idempotent; atomic with respect to the deleter's close)."""
+        self._lib.ModeloptJaxLeaseClose(ctypes.addressof(self.lease))
 
     def array(self, offset: int, dtype, shape) -> jax.Array:
         name = jnp.dtype(dtype).name
+        if self._leased and not self.lease_open:  # the daemon may have freed the memory since
+            raise WeightCacheError("this weight-cache attachment was released (every view of it died); attach again")
         if name not in _DL_TYPES:
             raise WeightCacheError(f"dtype {name} cannot be viewed through DLPack")
         shape = tuple(int(d) for d in shape)
@@ -120,12 +155,12 @@ class Views:
         managed.dl_tensor.ndim = len(shape)
         managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
         managed.dl_tensor.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
-        managed.manager_ctx = ctypes.addressof(self.live)
+        managed.manager_ctx = ctypes.addressof(self.lease)
         managed.deleter = self._release
         with _KEEP_LOCK:
             _KEEP_FOREVER.append((managed, dims))
         capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
-        counter = ctypes.addressof(self.live)
+        counter = ctypes.addressof(self.lease)
         self._lib.ModeloptJaxCounterAdd(counter, 1)  # before the import: the buffer may die at any time after it
         try:
             out = jax.dlpack.from_dlpack(_Producer(capsule, self.device_type, self.device_id), copy=False)

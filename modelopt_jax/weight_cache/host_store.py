@@ -1,8 +1,8 @@
 """All processed arrays of a model in one POSIX shared-memory segment.
 
 Each array starts on a 64-byte boundary because XLA:CPU adopts a 64-byte aligned host buffer as
-the device buffer without copying (``jax.device_put``), so an attached client's weights *are*
-the daemon's pages.
+the device buffer without copying (a DLPack import, see :class:`Mapping`), so an attached client's
+weights *are* the daemon's pages.
 
 Who may unlink what, and why we do not use ``multiprocessing.shared_memory``:
 
@@ -15,6 +15,10 @@ Who may unlink what, and why we do not use ``multiprocessing.shared_memory``:
   tracker that outlives a SIGKILLed client would otherwise unlink the daemon's segment.
 - A segment left by a SIGKILLed daemon is named in its lock file and removed by whoever next
   holds that lock (:func:`remove_stale`), the flock being the proof that its creator is gone.
+- Unlinking a segment while clients map it is safe (POSIX keeps the pages until the last
+  ``munmap``), so a stopping daemon frees its segment at once (``free_waits_for_clients`` is
+  False). Clients still hold a lease (their attach connection) until the last array viewing the
+  segment is gone, so ``status`` counts them as on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 
 from modelopt_jax.checkpoint.safetensors_index import HOST_ALIGNMENT
 from modelopt_jax.errors import WeightCacheError, WeightCachePermissionError
+from modelopt_jax.weight_cache import dlpack_view
 from modelopt_jax.weight_cache.layout import pack
 
 
@@ -42,6 +47,8 @@ def new_name(device: int) -> str:
 
 class Segment:
     """The daemon's segment: created here, filled once, unlinked only by the process that created it."""
+
+    free_waits_for_clients = False  # attached clients keep their mapping after the unlink (see above)
 
     def __init__(self, name: str, size: int):
         self.name = name
@@ -147,42 +154,60 @@ def _open_checked(name: str) -> tuple[int, os.stat_result]:
 
 
 class Mapping:
-    """A client's mapping: never unlinks, and stays mapped while device arrays still view it."""
+    """A client's mapping of the daemon's segment, whose arrays are zero-copy DLPack views.
 
-    def __init__(self, name: str):
-        fd, st = _open_checked(name)
+    DLPack, as on a GPU (:mod:`.dlpack_view`), rather than numpy views adopted by ``device_put``:
+    its C deleter runs when XLA frees the last buffer viewing the segment, which is when the
+    client's lease (``lease_fd``, the attach connection, taken over here) is closed; no Python
+    object's lifetime says that reliably (JAX's caches keep models' static metadata, and stitching
+    makes new array objects over the same buffers). The segment stays mapped while a view is alive,
+    for the rest of the process if this object goes first.
+    """
+
+    def __init__(self, name: str, device_id: int, lease_fd: int = -1):
         try:
-            if st.st_size == 0:
-                raise WeightCacheError(f"weight-cache shared memory /dev/shm/{name} is empty")
-            self._mmap = mmap.mmap(fd, st.st_size)
-        finally:
-            os.close(fd)
-        self.name = name
-        self.size = st.st_size
-        self.buf = memoryview(self._mmap)
+            fd, st = _open_checked(name)
+            try:
+                if st.st_size == 0:
+                    raise WeightCacheError(f"weight-cache shared memory /dev/shm/{name} is empty")
+                self._mmap = mmap.mmap(fd, st.st_size)
+            finally:
+                os.close(fd)
+            self.name, self.size = name, st.st_size
+            self.base = np.frombuffer(self._mmap, np.uint8).ctypes.data  # the temporary export ends here
+            self.views = dlpack_view.Views(self.base, self.size, device_type=dlpack_view.DL_CPU, device_id=device_id,
+                                           lease_fd=lease_fd)
+        except BaseException:
+            if lease_fd >= 0:
+                os.close(lease_fd)
+            raise
 
     def span(self) -> tuple[int, int]:
         """(address, bytes) of the mapping in this process."""
-        return np.frombuffer(self.buf, np.uint8).ctypes.data, self.size
+        return self.base, self.size
 
     def __del__(self):
-        try:
-            self.buf.release()
-            self._mmap.close()
-        except (AttributeError, BufferError, OSError, ValueError):  # arrays still alive: the OS unmaps at exit
-            pass
+        views = getattr(self, "views", None)
+        if views is None:
+            return
+        if views.alive:  # XLA may still read it: never unmapped in this process
+            dlpack_view.keep_forever(self._mmap)
+            return
+        views.close_lease()  # an attachment without arrays never had a view to end it
+        self._mmap.close()
 
 
-def attach(name: str, index: dict) -> tuple[Mapping, dict[str, np.ndarray]]:
-    """Maps the daemon's segment and returns views of every array, without copying."""
-    shm = Mapping(name)
-    views = {}
+def attach(name: str, index: dict, device_id: int, lease_fd: int = -1) -> tuple[Mapping, dict[str, jax.Array]]:
+    """Maps the daemon's segment and returns a zero-copy array on CPU device ``device_id`` (its
+    ``local_hardware_id``) for every index entry, taking over ``lease_fd`` (see :class:`Mapping`)."""
+    shm = Mapping(name, device_id, lease_fd)
+    arrays = {}
     for key, entry in index.items():
         end = int(entry["offset"]) + int(entry["nbytes"])
         if int(entry["offset"]) < 0 or end > shm.size:
             raise WeightCacheError(f"weight-cache segment {name!r} is smaller ({shm.size}) than its index says")
-        views[key] = _view(shm.buf, entry)
-    return shm, views
+        arrays[key] = shm.views.array(int(entry["offset"]), entry["dtype"], entry["shape"])
+    return shm, arrays
 
 
 def remove_stale(name: str) -> bool:
