@@ -13,8 +13,8 @@ What runs:
    Its ready line names the port; ``/health`` must answer 200 and ``/v1/models`` gives
    ``max_model_len``. Its stdout and stderr go to ``--server-log``, with ``JAX_LOG_COMPILES=1`` so
    that each pass reports how many programs the server compiled during it.
-2. A bounded, closed-loop load generator: ``--clients`` asyncio workers (httpx, one connection each)
-   take the ``--requests`` requests in order; each posts a streaming ``/v1/completions`` and reads
+2. A bounded, closed-loop load generator: ``--clients`` asyncio workers (one httpx client whose pool
+   keeps a connection per worker) take the ``--requests`` requests in order; each posts a streaming ``/v1/completions`` and reads
    its server-sent events before taking the next. Prompts are token-id lists (the server takes them
    as they are: no tokenization, exact lengths); prompt lengths and ``max_tokens`` are drawn
    uniformly from ``--prompt-len`` and ``--max-tokens`` (seeded). Greedy, ``ignore_eos: true`` (a
@@ -46,8 +46,8 @@ bottleneck).
 Errors are counted, never ignored: a non-200 status, a transport error or timeout, an event that is
 not ``data: <json>`` or ``data: [DONE]``, an ``error`` event, a stream without ``[DONE]``, a missing
 or unexpected ``finish_reason`` or usage, or a token count other than ``max_tokens``. Errors, or a
-server that does not exit cleanly (status 0 after SIGINT), make the script exit 1; the JSON lists
-them.
+server whose exit status after SIGINT (a graceful shutdown) is not 0, make the script exit 1; the
+JSON lists them.
 """
 
 from __future__ import annotations
