@@ -3,8 +3,11 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
-#                             [serve CKPT_DIR WORKLOADS [fp8] [static]]
-# attach / tp-bench write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first if absent.
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static]] [serve-http CKPT_DIR [ARGS...]]
+# attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
+#   if absent.
+# serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
+#   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
 #   CUDA IPC store (daemon subprocesses included), one log per process in $OUT/sanitizer.<pid>.log
 #   and the error summaries in $OUT/sanitizer_summary.txt; SANITIZE_TESTS overrides the test list.
@@ -71,6 +74,10 @@ print('memcheck sample done')
       done
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;
+    serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset llama3-8b \
+        --json "$OUT/serve_http.json" --server-log "$OUT/serve_http_server.log" "${args[@]}" \
+        2>&1 | tee "$OUT/serve_http.log" | tail -30 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

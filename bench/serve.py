@@ -35,6 +35,18 @@ PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidd
                         num_key_value_heads=2, vocab_size=512)}  # a smoke test of this script on a CPU
 
 
+def write_preset(checkpoint: str, preset: str) -> None:
+    """Writes the synthetic checkpoint ``PRESETS[preset]`` into ``checkpoint`` unless it holds a config.json
+    (also used by bench/http_load.py)."""
+    if os.path.exists(os.path.join(checkpoint, "config.json")):
+        return
+    from modelopt_jax.synthetic import write_checkpoint
+
+    t = time.perf_counter()
+    write_checkpoint(checkpoint, family="llama", max_shard_bytes=5 << 30, **PRESETS[preset])
+    print(f"wrote {checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
 def workload(name: str, vocab: int):
     rng = np.random.default_rng(0)
     if name == "a":
@@ -121,12 +133,8 @@ def main():
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
     args = ap.parse_args()
-    if args.write_preset and not os.path.exists(os.path.join(args.checkpoint, "config.json")):
-        from modelopt_jax.synthetic import write_checkpoint
-
-        t = time.perf_counter()
-        write_checkpoint(args.checkpoint, family="llama", max_shard_bytes=5 << 30, **PRESETS[args.write_preset])
-        print(f"wrote {args.checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
+    if args.write_preset:
+        write_preset(args.checkpoint, args.write_preset)
     dev = jax.devices()[0]
     static = None
     if args.static_peer:  # before the engine takes its pool
