@@ -23,6 +23,7 @@ import pytest
 
 import modelopt_jax
 from modelopt_jax import LLM, SamplingParams
+from modelopt_jax.errors import InvalidArgumentError
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -369,6 +370,27 @@ def test_missing_serve_extra_is_a_clear_error(monkeypatch, capsys):
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "MissingDependencyError" in err and 'pip install ".[serve]"' in err and "uvicorn" in err
+
+
+@pytest.mark.parametrize("port", [65536, 99999, -1])  # getaddrinfo would take 65536 and 99999 modulo 65536
+def test_a_port_out_of_range_is_refused(port):
+    with pytest.raises(InvalidArgumentError, match=f"--port {port}: expected an integer in 0-65535"):
+        bind("127.0.0.1", port).close()  # (a regression listens somewhere: close it)
+
+
+def test_a_bad_listen_address_is_refused_before_the_load(capsys):
+    from modelopt_jax.__main__ import main
+
+    assert main(["serve", "--host", "256.1.1.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "InvalidArgumentError: --host '256.1.1.1': cannot resolve it" in err and "[load]" not in err
+
+
+def test_a_taken_port_is_refused_with_its_address():
+    with bind("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(InvalidArgumentError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind("127.0.0.1", port)
 
 
 def test_serve_command_in_a_subprocess(reference, tmp_path):

@@ -11,6 +11,9 @@ from modelopt_jax.errors import InvalidArgumentError
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host``:``port`` (0: any free port), IPv4 or IPv6 as ``host`` resolves."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        # checked here: getaddrinfo takes the port modulo 65536, so 99999 would listen on 34463
+        raise InvalidArgumentError(f"--port {port!r}: expected an integer in 0-65535 (0: any free port)")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
