@@ -247,6 +247,10 @@ def test_chat_completion_equals_llm_chat(served, reference):
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 100}, 400, "max_tokens"),  # 100+ of 128
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 128}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 128}, 400,
+     "max_completion_tokens"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -271,10 +275,25 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, pat
     served.idle()
 
 
+def test_an_explicit_max_tokens_must_fit_and_the_default_is_capped(served):
+    """max_model_len 128: an explicit max_tokens that fits exactly runs in full; one token more is a 400
+    saying how many fit; without max_tokens (OpenAI's 16) the answer stops where the context ends."""
+    prompt = [7] * 120
+    over = served.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 9, "ignore_eos": True})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+    assert "129 tokens exceed max_model_len=128 (at most 8 can be generated" in over.json()["error"]["message"]
+    exact = served.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+    assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == 8
+    default = served.client.post("/v1/completions", json={"prompt": prompt + [7, 7], "ignore_eos": True})
+    choice = default.json()["choices"][0]
+    assert default.json()["usage"]["completion_tokens"] == 6 and choice["finish_reason"] == "length"
+    served.idle()
+
+
 def test_client_disconnect_aborts_and_frees_pages(served):
     """A streaming client that hangs up after three chunks, and a non-streaming one that hangs up at
-    once: both requests are aborted long before their 100 tokens, and every page comes back."""
-    body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    once: both requests are aborted long before their 80 tokens, and every page comes back."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0, "ignore_eos": True}  # 39 + 80 of 128
     before = served.openai.engine.stats["tokens"]
     with httpx.Client(base_url=served.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:

@@ -148,6 +148,7 @@ class OpenAIServer:
         api = protocol.parse_completion(await _body(request))
         model = self._model(api.model)
         requests = await self._build("prompt", self.llm.requests, api.prompts, api.params, detokenize=True)
+        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
         return await self._answer(request, api, requests, responses.CompletionChunks, responses.completion, model)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -156,6 +157,7 @@ class OpenAIServer:
         requests = await self._build("messages", self.llm.chat_requests, api.messages, api.params,
                                      chat_template=self.chat_template, add_generation_prompt=api.add_generation_prompt,
                                      detokenize=True)
+        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
         return await self._answer(request, api, requests, responses.ChatChunks, responses.chat_completion, model)
 
     # -- shared --------------------------------------------------------------------------------

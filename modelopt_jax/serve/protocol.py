@@ -50,6 +50,22 @@ class ApiRequest:
     prompts: list | None = None       # completions: prompts in LLM.generate's forms
     messages: list | None = None      # chat: one conversation
     add_generation_prompt: bool = True
+    max_tokens_field: str | None = None  # the field that set max_tokens explicitly; None: the default
+
+
+def check_room(api: ApiRequest, prompt_lengths: list[int], max_model_len: int) -> None:
+    """An explicit ``max_tokens`` that the context cannot hold after a prompt is a 400 naming the
+    field, as OpenAI's API and vLLM's server answer (rather than a shorter answer the client did not
+    ask for); the defaults (16 / the rest of the context) are capped at what the context leaves."""
+    if api.max_tokens_field is None:
+        return
+    asked = api.params.max_tokens
+    for i, n in enumerate(prompt_lengths):
+        if n + asked > max_model_len:
+            which = "the prompt" if len(prompt_lengths) == 1 else f"prompt {i}"
+            raise ApiError(400, f"{which} has {n} tokens and {api.max_tokens_field}={asked}: {n + asked} tokens "
+                                f"exceed max_model_len={max_model_len} (at most {max_model_len - n} can be "
+                                f"generated after it)", param=api.max_tokens_field)
 
 
 # (request field, SamplingParams field) checked by SamplingParams itself
@@ -157,12 +173,14 @@ def parse_completion(body: Any) -> ApiRequest:
     stream, include_usage = _stream(body)
     return ApiRequest(model=_model(body), params=_sampling(body, "max_tokens", 16 if max_tokens is None else max_tokens,
                                                            logprobs),
-                      stream=stream, include_usage=include_usage, logprobs=logprobs, prompts=_prompts(body["prompt"]))
+                      stream=stream, include_usage=include_usage, logprobs=logprobs, prompts=_prompts(body["prompt"]),
+                      max_tokens_field=None if max_tokens is None else "max_tokens")
 
 
 def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     """A ``/v1/chat/completions`` body (the messages themselves are checked when rendered);
-    ``max_tokens`` defaults to ``max_model_len`` (the engine caps it at what the context leaves)."""
+    ``max_tokens`` defaults to ``max_model_len`` (the engine caps it at what the context leaves; an
+    explicit one must fit, see :func:`check_room`)."""
     body = _check_body(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -181,4 +199,5 @@ def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     return ApiRequest(model=_model(body),
                       params=_sampling(body, field, max_model_len if max_tokens is None else max_tokens, logprobs),
                       stream=stream, include_usage=include_usage, logprobs=logprobs, messages=messages,
-                      add_generation_prompt=_bool(body, "add_generation_prompt", True))
+                      add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                      max_tokens_field=None if max_tokens is None else field)
