@@ -203,6 +203,14 @@ def _weight_cache(args) -> int:
     return 0 if reply.get("ok") else 1
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none (None): the help text says what
+    happens then ("default: the embedded demo"), and "(default: None)" would only contradict it."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
     from modelopt_jax.dtypes import COMPUTE_DTYPES
 
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
     g = sub.add_parser("generate", help="generate text with KV cache (default model: the embedded demo)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsFormatter)
     g.add_argument("--model", help="checkpoint directory (default: the embedded qwen2-bytes-fp8 demo)")
     g.add_argument("--prompt", action="append",
                    help=f"a text prompt; repeat for several, generated as one batch (default: {DEFAULT_PROMPT!r})")
@@ -231,7 +239,7 @@ def main(argv=None) -> int:
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=_DefaultsFormatter,
                        description="/v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health")
     s.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded qwen2-bytes-fp8 demo)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

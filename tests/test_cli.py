@@ -87,6 +87,7 @@ def test_generate_help_shows_defaults(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "(default: 64)" in out and "{off,auto,require}" in out
+    assert "(default: None)" not in out  # options without a default say what happens instead
 
 
 def test_generate_streams_each_prompt_as_its_tokens_arrive(monkeypatch):
