@@ -193,10 +193,7 @@ class LLM:
         """
         if unknown:
             raise RequestTypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
-        requests = self.requests(prompts, sampling_params)
-        outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
-        self.last_stats = self.engine.last_stats
-        return outputs
+        return self._run(self.requests(prompts, sampling_params), use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True, use_tqdm: bool = True,
@@ -215,8 +212,11 @@ class LLM:
         """
         if unknown:
             raise RequestTypeError(f"chat() got unexpected keyword argument(s) {sorted(unknown)}")
-        requests = self.chat_requests(messages, sampling_params, chat_template=chat_template,
-                                      add_generation_prompt=add_generation_prompt)
+        return self._run(self.chat_requests(messages, sampling_params, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt), use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Runs validated requests to the end (a progress bar for more than one); outputs in order."""
         outputs = self.engine.run(requests, tokenizer=self.tokenizer, use_tqdm=use_tqdm and len(requests) > 1)
         self.last_stats = self.engine.last_stats
         return outputs

@@ -241,14 +241,14 @@ class Engine:
                            "first_token_s": first_token_s or total, "generated_tokens": generated,
                            "generated_tokens_per_s": generated / total if total else float("nan"),
                            "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "batch": len(requests),
-                           "preemptions": self._scheduler.preemptions - stats["preemptions_before"],
+                           "preemptions": self._scheduler.preemptions - self._preemptions_before,
                            "num_pages": self.pool.num_pages, "free_pages_after": self.pool.free}
-        del self.last_stats["preemptions_before"]
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
 
     def _reset_stats(self) -> None:
-        self._stats = {"steps": 0, "prefill_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "max_running": 0,
-                       "preemptions_before": self._scheduler.preemptions}
+        self._stats = {"steps": 0, "prefill_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                       "max_running": 0}
+        self._preemptions_before = self._scheduler.preemptions  # the scheduler counts over the engine's life
 
 
 def _progress(total: int, enabled: bool):

@@ -51,11 +51,9 @@ class Scheduler:
 
     def abort(self, request: Request) -> None:
         """Removes ``request`` from the queue or the running set and frees its pages."""
-        if request in self.running:
-            self.finish(request)
-        elif request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
-            self.pool.release(request.pages)
+        self.finish(request)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)

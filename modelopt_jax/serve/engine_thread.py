@@ -135,12 +135,7 @@ class EngineThread:
         try:
             while True:
                 # idle: sleep until something arrives; busy: take what arrived and step again
-                items = [self._inbox.get()] if not self.engine.has_work else []
-                while True:
-                    try:
-                        items.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
+                items = ([self._inbox.get()] if not self.engine.has_work else []) + self._drain_inbox()
                 for kind, payload in items:
                     if kind == "stop":
                         raise EngineFailure("the server is shutting down")
@@ -149,9 +144,7 @@ class EngineThread:
                             self._routes[r] = (payload, i)
                             self.engine.add(r)
                     else:
-                        for r in payload:
-                            if self._routes.pop(r, None) is not None:
-                                self.engine.abort(r)
+                        self._abort_routed(payload)
                 if self.engine.has_work:
                     self._step()
         except BaseException as e:  # noqa: BLE001 -- whatever ended the loop, no client may wait forever
@@ -159,13 +152,23 @@ class EngineThread:
                 log.exception("the engine thread died")
             with self._lock:
                 self._dead = e
-                leftovers = []
-                while True:
-                    try:
-                        leftovers.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
+                leftovers = self._drain_inbox()
             self._fail_all(e, [s for kind, s in leftovers if kind == "add"])
+
+    def _drain_inbox(self) -> list[tuple[str, object]]:
+        """Everything waiting in the inbox, without blocking."""
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _abort_routed(self, requests: list[Request]) -> None:
+        """Aborts those of ``requests`` still routed to a stream (frees their pages)."""
+        for r in requests:
+            if self._routes.pop(r, None) is not None:
+                self.engine.abort(r)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -190,9 +193,7 @@ class EngineThread:
             try:
                 stream._post(stream._delta(i, r))
             except RuntimeError:  # its event loop is closed: nobody reads this stream any more
-                for other in stream.requests:
-                    if self._routes.pop(other, None) is not None:
-                        self.engine.abort(other)
+                self._abort_routed(stream.requests)
 
     def _fail_all(self, error: BaseException, streams: list[Stream]) -> None:
         failed = {id(s): s for s in streams}

@@ -277,13 +277,15 @@ class Daemon:
                         request = protocol.recv(conn, timeout=self.message_timeout)
                     except EOFError:
                         return
-                    if request.get("op") == "attach" and self._attach(conn, request, pid):
-                        return  # the connection was a lease, and has ended
-                    if request.get("op") == "stop":
+                    op = request.get("op")
+                    if op == "attach":
+                        if self._attach(conn, request, pid):
+                            return  # the connection was a lease, and has ended
+                    elif op == "stop":
                         protocol.send(conn, self._stop_reply())
                         self.stop_event.set()  # after the reply: a daemon with nothing to wait for exits at once
                         return
-                    if request.get("op") != "attach":
+                    else:
                         protocol.send(conn, self._reply(request))
             except WeightCacheProtocolError as e:
                 log.warning("dropping a connection: %s", e)
