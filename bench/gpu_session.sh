@@ -3,16 +3,17 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
-#                             [serve CKPT_DIR WORKLOADS [fp8] [static]] [serve-http CKPT_DIR [ARGS...]]
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile]] [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
 #   CUDA IPC store (daemon subprocesses included), one log per process in $OUT/sanitizer.<pid>.log
-#   and the error summaries in $OUT/sanitizer_summary.txt; SANITIZE_TESTS overrides the test list.
+#   (packed into $OUT/sanitizer_logs.tgz) and the error summaries in $OUT/sanitizer_summary.txt;
+#   SANITIZE_TESTS overrides the test list, SANITIZE_TIMEOUT the seconds (560).
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
@@ -40,12 +41,14 @@ print('memcheck sample done')
       # The platform allocator gives every buffer its own cudaMalloc, so an access past a buffer's end
       # is an error memcheck sees (inside XLA's BFC pool it would land in a neighbour). API errors are
       # not reported: XLA probes the driver in ways that fail by design; our handlers check their own.
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 560 \
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZE_TIMEOUT:-560} \
         compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --print-limit 50 \
         --log-file "$OUT/sanitizer.%p.log" python3 -m pytest -q -p no:cacheprovider \
         ${SANITIZE_TESTS:-tests/test_gpu_gemm.py tests/test_paged_attention.py tests/test_weight_cache_gpu.py} \
         2>&1 | tee "$OUT/sanitizer_pytest.log" | tail -25
-      grep -h "ERROR SUMMARY" "$OUT"/sanitizer.*.log | sort | uniq -c | tee "$OUT/sanitizer_summary.txt" ;;
+      grep -h "ERROR SUMMARY" "$OUT"/sanitizer.*.log | sort | uniq -c | tee "$OUT/sanitizer_summary.txt"
+      # one file back however many processes ran (the device tool returns at most 8 files)
+      tar czf "$OUT/sanitizer_logs.tgz" -C "$OUT" $(cd "$OUT" && ls sanitizer.*.log) && rm -f "$OUT"/sanitizer.*.log ;;
     tune) shift; args=(); while [ $# -gt 0 ] && [ "$1" != bench ] && [ "$1" != tests ]; do args+=("$1"); shift; done
       python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done
@@ -67,10 +70,11 @@ print('memcheck sample done')
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
-    serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer)
-      tag=${workloads//,/_}
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ]; }; do
-        [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer); tag+="_$1"; shift
+    serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
+      tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps)
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ]; }; do
+        [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
+        [ "$1" = profile ] && extra+=(--profile); tag+="_$1"; shift
       done
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;

@@ -2,7 +2,7 @@
 
 Run on the H200 (not a test):
     python bench/serve.py --checkpoint DIR [--write-preset llama3-8b] [--workloads a,b,c] [--json out.json]
-                          [--kv-cache-dtype fp8] [--static-peer]
+                          [--kv-cache-dtype fp8] [--static-peer] [--profile]
 
 ``--write-preset`` first writes a synthetic ModelOpt FP8 checkpoint (``modelopt_jax.synthetic``,
 unequal shard scales as real exports have) into DIR if it holds none. Workloads (issue 12):
@@ -117,6 +117,45 @@ def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int =
     return runs[-1]
 
 
+def profile_a(llm, vocab: int, new: int = 34, top: int = 18) -> dict:
+    """Where a step of workload (a) spends its GPU time: (a)'s prompts traced twice under CUPTI, with
+    2 and ``new`` tokens to generate; the difference of the two kernel tables is ``new - 2`` decode
+    steps alone (the prompt steps and the first decode step cancel), the short run is the prompt
+    steps. Reports GPU busy time per decode step against the wall time per step (the gap is host
+    time the GPU waited for), and the kernels that take the most."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from timing import kernel_times
+
+    prompts, _ = workload("a", vocab)
+    tables, walls = [], []
+    for n in (2, new):
+        p = SamplingParams(max_tokens=n, ignore_eos=True)
+        run(llm, prompts, p)  # compiled and warm
+        holder = {}
+        tables.append(kernel_times(lambda: holder.update(stats=run(llm, prompts, p)[1])))
+        walls.append(holder["stats"])
+    steps = walls[1]["decode_steps"] - walls[0]["decode_steps"]
+    names = set(tables[0]) | set(tables[1])
+    decode = {k: (tables[1].get(k, [0, 0])[1] - tables[0].get(k, [0, 0])[1]) / steps for k in names}
+    decode_launches = {k: (tables[1].get(k, [0, 0])[0] - tables[0].get(k, [0, 0])[0]) / steps for k in names}
+    busy = sum(decode.values())
+    wall = (walls[1]["decode_s"] - walls[0]["decode_s"]) / steps
+    prompt = {k: v[1] for k, v in tables[0].items()}
+    out = {"decode_steps": steps, "decode_gpu_busy_ms": busy / 1e6, "decode_wall_ms": 1e3 * wall,
+           "decode_kernels_us_per_step": {k: decode[k] / 1e3 for k in sorted(decode, key=decode.get, reverse=True)[:60]},
+           "decode_launches_per_step": sum(decode_launches.values()),
+           "prompt_gpu_busy_s": sum(prompt.values()) / 1e9, "prompt_wall_s": walls[0]["prefill_s"],
+           "prompt_kernels_ms": {k: prompt[k] / 1e6 for k in sorted(prompt, key=prompt.get, reverse=True)[:60]}}
+    print(f"(a) profile: decode step {out['decode_wall_ms']:.2f} ms wall, GPU busy {out['decode_gpu_busy_ms']:.2f} ms, "
+          f"{out['decode_launches_per_step']:.0f} kernels/step; prompt steps {out['prompt_wall_s']:.2f} s wall, "
+          f"GPU busy {out['prompt_gpu_busy_s']:.2f} s", flush=True)
+    for k, us in list(out["decode_kernels_us_per_step"].items())[:top]:
+        print(f"  decode {us:9.1f} us/step  {decode_launches[k]:5.0f}x  {k[:110]}")
+    for k, ms in list(out["prompt_kernels_ms"].items())[:top]:
+        print(f"  prompt {ms:9.1f} ms total  {tables[0][k][0]:6d}x  {k[:110]}")
+    return out
+
+
 def run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, dict(llm.last_stats)
@@ -132,6 +171,8 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", help="LLM's kv_cache_dtype (fp8: FP8 pages)")
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the workloads, the GPU kernels of (a)'s decode and prompt steps (CUPTI)")
     args = ap.parse_args()
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)
@@ -184,6 +225,8 @@ def main():
               + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else "")
               + (f"; {st['generated_tokens_per_s'] / static['generated_tokens_per_s']:.2f}x the static dense loop"
                  if name == "a" and static else ""), flush=True)
+    if args.profile:
+        report["profile_a"] = profile_a(llm, model.config.vocab_size)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "

@@ -60,11 +60,9 @@ def time_torch(fn, xs, ws, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def device_seconds(run, reps: int) -> float:
-    """GPU busy time per call: the sum of all kernel durations CUPTI records while ``run()`` executes
-    ``reps`` calls, divided by ``reps``. Unlike wall time this excludes host launch gaps, so JAX
-    programs and eager torch are compared on what the GPU actually spent. CUPTI sees every kernel of
-    the process (XLA's and torch's alike)."""
+def kernel_times(run) -> dict[str, list[int]]:
+    """GPU kernels CUPTI records while ``run()`` executes: ``{kernel name: [launches, total ns]}``.
+    CUPTI sees every kernel of the process (XLA's, our FFI handlers' and torch's alike)."""
     import glob
     import tempfile
 
@@ -78,7 +76,7 @@ def device_seconds(run, reps: int) -> float:
             jax.profiler.stop_trace()
         files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         data = ProfileData.from_file(files[0])
-        total = 0
+        kernels: dict[str, list[int]] = {}
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
@@ -86,7 +84,19 @@ def device_seconds(run, reps: int) -> float:
             # Kernels sit on per-stream lines; "XLA Ops"/"XLA Modules" lines summarise the same time.
             streams = [ln for ln in lines if "stream" in ln.name.lower()] or [
                 ln for ln in lines if "xla" not in ln.name.lower() and "launch" not in ln.name.lower()]
-            total += sum(e.duration_ns for ln in streams for e in ln.events)
+            for ln in streams:
+                for e in ln.events:
+                    entry = kernels.setdefault(e.name, [0, 0])
+                    entry[0] += 1
+                    entry[1] += e.duration_ns
+    return kernels
+
+
+def device_seconds(run, reps: int) -> float:
+    """GPU busy time per call: the sum of all kernel durations while ``run()`` executes ``reps``
+    calls, divided by ``reps``. Unlike wall time this excludes host launch gaps, so JAX programs and
+    eager torch are compared on what the GPU actually spent."""
+    total = sum(ns for _, ns in kernel_times(run).values())
     if total == 0:
         raise RuntimeError("no GPU kernel events were recorded")
     return total / 1e9 / reps
