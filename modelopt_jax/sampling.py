@@ -124,16 +124,50 @@ def _sample_row(logits, temperature, top_k, top_p, key):
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf))
     cum = jnp.cumsum(probs)
     # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
-    keep_sorted = in_top_k & ((cum - probs) < top_p)
+    # (top_p 1 keeps everything: the float32 cumsum can reach 1.0 before the tail's last tokens)
+    keep_sorted = in_top_k & ((top_p >= 1) | ((cum - probs) < top_p))
     p_threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf))
     masked = jnp.where((scaled >= kth) & (scaled >= p_threshold), scaled, -jnp.inf)
     drawn = jax.random.categorical(key, masked)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
 
 
+SAMPLERS = ("greedy", "tempered", "truncated")
+
+
+def sampler_for(params: Iterable[SamplingParams]) -> str:
+    """The cheapest of :data:`SAMPLERS` that is exact for every row of ``params``.
+
+    "greedy" when no row samples (argmax only); "tempered" when rows sample but none truncates its
+    distribution (one categorical draw per row); else "truncated" (a sort of each row's logits for
+    top-k/top-p). The sort is what a step must not pay for without need: at batch 64 over Llama-3's
+    128k vocabulary it took 0.95 ms of an 8.5 ms decode step on the H200, for greedy rows that
+    ignore it.
+    """
+    sampler = "greedy"
+    for p in params:
+        if p.temperature > 0:
+            if p.top_k > 0 or p.top_p < 1:
+                return "truncated"
+            sampler = "tempered"
+    return sampler
+
+
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           keys: jax.Array) -> jax.Array:
-    """``logits`` [B, V] float32 -> token ids [B]; per-row ``temperature``/``top_k``/``top_p``/``keys``."""
+           keys: jax.Array, sampler: str = "truncated") -> jax.Array:
+    """``logits`` [B, V] float32 -> token ids [B]; per-row ``temperature``/``top_k``/``top_p``/``keys``.
+
+    ``sampler`` (static, from :func:`sampler_for`) picks a cheaper program where it is exact: every
+    sampler gives a row the token "truncated" gives it, as long as the rows fit the sampler.
+    """
+    if sampler == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampler == "tempered":
+        drawn = jax.vmap(lambda row, t, key: jax.random.categorical(key, row / jnp.maximum(t, 1e-6)))(
+            logits, temperature, keys)
+        return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    if sampler != "truncated":
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
 
 

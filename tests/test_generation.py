@@ -392,6 +392,38 @@ def test_sampler_frequencies_match_softmax():
     assert (np.asarray(greedy) == np.argmax(logits)).all()
 
 
+def test_cheaper_samplers_give_the_truncated_samplers_tokens():
+    """A step whose rows need no top-k/top-p runs the "tempered" sampler (no sort), one whose rows are
+    all greedy runs an argmax: each gives every row the very token the "truncated" sampler gives it
+    with the same key, over a Llama-3-sized vocabulary where the sort is what costs."""
+    from modelopt_jax.sampling import sampler_for
+
+    rng = np.random.default_rng(3)
+    n, vocab = 16, 128256
+    logits = jnp.asarray((rng.standard_normal((n, vocab)) * 4).astype(np.float32))
+    keys = jax.random.split(jax.random.PRNGKey(7), n)
+    temps = jnp.asarray(np.r_[np.zeros(4), rng.uniform(0.3, 2.0, n - 4)].astype(np.float32))
+    no_k, no_p = jnp.full((n,), -1, jnp.int32), jnp.ones(n, jnp.float32)
+    truncated = np.asarray(sample(logits, temps, no_k, no_p, keys, "truncated"))
+    tempered = np.asarray(sample(logits, temps, no_k, no_p, keys, "tempered"))
+    np.testing.assert_array_equal(tempered, truncated)
+    assert len(set(truncated[4:].tolist())) > 1  # the draws are draws, not a constant
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(truncated[:4], argmax[:4])
+    np.testing.assert_array_equal(np.asarray(sample(logits, jnp.zeros(n), no_k, no_p, keys, "greedy")), argmax)
+    # the programs: only the truncated sampler sorts
+    for sampler in ("greedy", "tempered", "truncated"):
+        hlo = jax.jit(lambda *a, s=sampler: sample(*a, s)).lower(logits, temps, no_k, no_p, keys).as_text()
+        assert ("sort" in hlo) == (sampler == "truncated"), sampler
+    # which sampler a batch gets: the cheapest exact one
+    assert sampler_for([SamplingParams(), SamplingParams(top_k=5, top_p=0.5)]) == "greedy"
+    assert sampler_for([SamplingParams(), SamplingParams(temperature=0.7)]) == "tempered"
+    assert sampler_for([SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9)]) == "truncated"
+    assert sampler_for([SamplingParams(temperature=1.0, top_k=40)]) == "truncated"
+    with pytest.raises(ValueError, match="sampler"):
+        sample(logits, temps, no_k, no_p, keys, "fast")
+
+
 # ------------------------------------------------------------------------------------------------
 # Log-probs
 # ------------------------------------------------------------------------------------------------

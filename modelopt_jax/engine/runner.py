@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from modelopt_jax.engine.request import Request
-from modelopt_jax.sampling import sample, token_logprobs
+from modelopt_jax.sampling import sample, sampler_for, token_logprobs
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -98,10 +98,10 @@ class Runner:
             return nnx.merge(graphdef, state).forward_packed(*args)
 
         self._forward = forward
-        self._step = jax.jit(self._step_fn, static_argnums=(0, 1), donate_argnums=(3,))
-        self.shapes: set[tuple[int, ...]] = set()  # (tokens, rows, table width, logprobs...) compiled so far
+        self._step = jax.jit(self._step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
+        self.shapes: set[tuple] = set()  # (tokens, rows, table width, row width, logprobs, sampler) compiled so far
 
-    def _step_fn(self, num_logprobs, prompt_logprobs, state, cache, ids, positions, slots, token_rows, block_tables,
+    def _step_fn(self, num_logprobs, prompt_logprobs, sampler, state, cache, ids, positions, slots, token_rows, block_tables,
                  row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters, last_tokens, from_last):
         ids = jnp.where(from_last >= 0, last_tokens[jnp.maximum(from_last, 0)], ids)
         if prompt_logprobs is None:
@@ -114,7 +114,7 @@ class Runner:
             logits = all_logits[last]
             prompt = token_logprobs(all_logits, next_ids, prompt_logprobs)
         keys = jax.vmap(jax.random.fold_in)(row_keys, counters)
-        tokens = sample(logits, temps, top_k, top_p, keys)
+        tokens = sample(logits, temps, top_k, top_p, keys, sampler)
         padded = jnp.zeros(self.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
         return padded, token_logprobs(logits, tokens, num_logprobs), prompt, cache
 
@@ -179,9 +179,10 @@ class Runner:
         counters = _padded([len(r.generated) + r.inflight for r, _ in batch], rows, 0, np.uint32)
         from_last = _padded(tok_from_last, tokens_b, -1)
         num_logprobs = max((r.params.logprobs or 0) for r, _ in batch)
-        self.shapes.add((tokens_b, rows, width, row_width, num_logprobs, prompt_k))
+        sampler = sampler_for(params)  # greedy steps skip the sort that top-k/top-p need
+        self.shapes.add((tokens_b, rows, width, row_width, num_logprobs, prompt_k, sampler))
         tokens, logprobs, prompt, self.cache = self._step(
-            num_logprobs, prompt_k, self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last,
+            num_logprobs, prompt_k, sampler, self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last,
             next_ids, temps, top_k, top_p, row_keys, counters, self._last_tokens, from_last)
         self._last_tokens = tokens
         return LaunchedStep([(r, n, r.computed, r.computed + n == r.length) for r, n in batch],
