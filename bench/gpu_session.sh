@@ -11,7 +11,7 @@
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
 #   CUDA IPC store (daemon subprocesses included), one log per process in $OUT/sanitizer.<pid>.log
 #   (packed into $OUT/sanitizer_logs.tgz) and the error summaries in $OUT/sanitizer_summary.txt;
-#   SANITIZE_TESTS overrides the test list, SANITIZE_TIMEOUT the seconds (560).
+#   SANITIZE_TESTS overrides the test list, SANITIZE_TIMEOUT the seconds pytest may run (540).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
@@ -41,11 +41,18 @@ print('memcheck sample done')
       # The platform allocator gives every buffer its own cudaMalloc, so an access past a buffer's end
       # is an error memcheck sees (inside XLA's BFC pool it would land in a neighbour). API errors are
       # not reported: XLA probes the driver in ways that fail by design; our handlers check their own.
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SANITIZE_TIMEOUT:-560} \
+      # The time limit sits inside the sanitizer, on pytest (SIGINT: pytest stops and reports), so the
+      # sanitizer still writes each process's summary; killing the sanitizer instead left its target
+      # running and no summary (2026-12-01). Autotuning is off: under memcheck its trial kernels cost
+      # minutes. Under memcheck the GEMM tests alone take ~6 minutes: run the files in separate calls.
+      t=${SANITIZE_TIMEOUT:-540}
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout -k 10 $((t + 40)) \
         compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --print-limit 50 \
-        --log-file "$OUT/sanitizer.%p.log" python3 -m pytest -q -p no:cacheprovider \
+        --log-file "$OUT/sanitizer.%p.log" timeout -s INT -k 15 "$t" python3 -m pytest -q -p no:cacheprovider \
         ${SANITIZE_TESTS:-tests/test_gpu_gemm.py tests/test_paged_attention.py tests/test_weight_cache_gpu.py} \
-        2>&1 | tee "$OUT/sanitizer_pytest.log" | tail -25
+        > "$OUT/sanitizer_pytest.log" 2>&1
+      tail -25 "$OUT/sanitizer_pytest.log"
       grep -h "ERROR SUMMARY" "$OUT"/sanitizer.*.log | sort | uniq -c | tee "$OUT/sanitizer_summary.txt"
       # one file back however many processes ran (the device tool returns at most 8 files)
       tar czf "$OUT/sanitizer_logs.tgz" -C "$OUT" $(cd "$OUT" && ls sanitizer.*.log) && rm -f "$OUT"/sanitizer.*.log ;;
