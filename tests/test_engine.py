@@ -173,6 +173,38 @@ def test_overlapped_steps_change_nothing(roomy):
     assert {o.finish_reason for o in runs[True]} == {"stop", "length"}
 
 
+def test_new_prompt_shape_compiles_while_running_requests_decode():
+    """A prompt step whose program is not compiled yet does not stall the running requests: its
+    program compiles on a helper thread while they decode (a server meets new prompt shapes long
+    after it starts; an 8B program took 6-8 s on the H200), then it runs from that compiled program.
+    Tokens equal those of the same requests with in-line compiles. Deterministic: the first
+    question about an uncompiled shape always answers "not yet"."""
+    rng = np.random.default_rng(11)
+    first, late = rng.integers(1, 256, 7).tolist(), rng.integers(1, 256, 90).tolist()
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    runs = {}
+    for background in (True, False):
+        llm = _llm()
+        engine = llm.engine
+        engine.compile_in_background = background
+        a, b = llm.requests(first, params)[0], llm.requests(late, params)[0]
+        engine.add(a)
+        while len(a.generated) < 3:
+            engine.step()
+        engine.add(b)
+        decoded_while_b_waited = 0
+        while engine.has_work:
+            before = len(a.generated)
+            engine.step()
+            decoded_while_b_waited += b.computed == 0 and len(a.generated) > before
+        runs[background] = (a.generated, b.generated, decoded_while_b_waited, len(engine.runner._compiled))
+        assert engine.pool.free == engine.pool.num_pages - 1
+    (a_bg, b_bg, waited_bg, compiled_bg), (a_in, b_in, waited_in, compiled_in) = runs[True], runs[False]
+    assert a_bg == a_in and b_bg == b_in and len(b_bg) == 30
+    assert waited_bg >= 1 and compiled_bg >= 1  # A decoded while B's program compiled off-thread
+    assert waited_in == 0 and compiled_in == 0   # in line: B's prompt step ran at once
+
+
 def _page_bytes(llm):
     from modelopt_jax.engine.engine import page_bytes
 

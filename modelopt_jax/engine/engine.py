@@ -27,6 +27,7 @@ from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.attention import kernel_supports
 
 
+MAX_PROMPT_DEFER_S = 30.0  # longest a prompt step waits for its off-thread compile before compiling in line
 CPU_DEFAULT_SEQS = 8  # full-length sequences the default CPU pool holds (see pool_bytes)
 
 
@@ -120,6 +121,13 @@ class Engine:
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
                              fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
+        # True (the server): a prompt step whose program is not compiled yet waits, compiling
+        # off-thread, while the running requests decode (Runner.ready; at most MAX_PROMPT_DEFER_S,
+        # then in line). Off for Engine.run (LLM.generate): which steps wait would then depend on
+        # compile times, and so would batch compositions and, through bf16/FP8 near-ties, tokens;
+        # a script run twice must give the same text.
+        self.compile_in_background = False
+        self._deferred_since: float | None = None
         self._inflight = None
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                     max_prefill_tokens=config.max_prefill_tokens)
@@ -155,11 +163,12 @@ class Engine:
             return []
         t0 = time.perf_counter()
         try:
+            ready = self._prompt_step_ready if self.compile_in_background else None
             if self._inflight is None:
-                batch = self._scheduler.schedule()
+                batch = self._scheduler.schedule(ready=ready)
                 self._inflight = self._launch(batch)
             current = self._inflight
-            following = self._scheduler.schedule(speculative=True) if self.overlap else None
+            following = self._scheduler.schedule(speculative=True, ready=ready) if self.overlap else None
             self._inflight = self._launch(following) if following else None
             self._stats["overlapped_steps"] += following is not None
             advanced = self._collect(current)
@@ -174,12 +183,28 @@ class Engine:
         stats["prefill_s" if current.is_prompt else "decode_s"] += time.perf_counter() - t0
         return advanced
 
+    def _prompt_step_ready(self, batch: list[tuple[Request, int]]) -> bool:
+        """The scheduler's question before a prompt step: may it run now (True), or should the
+        running requests decode while its program compiles (False)?"""
+        if self.runner.ready(batch):
+            self._deferred_since = None
+            return True
+        now = time.perf_counter()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        if now - self._deferred_since > MAX_PROMPT_DEFER_S:  # arrivals keep changing its shape: stop waiting
+            self._deferred_since = None
+            return True
+        return False
+
     def _launch(self, batch: list[tuple[Request, int]]):
         """Dispatches ``batch`` and advances its requests as if it had run: their fed tokens count as
         computed, a row that samples has one more token in flight, and a request whose budget that
         token completes leaves the running set now (its pages can serve the next step: the device
         runs steps in order)."""
         self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
+        if any(n > 1 for _, n in batch):
+            self._deferred_since = None  # a prompt step runs: any wait for a compile is over
         launched = self.runner.launch(batch)
         for row, (r, n, _, samples) in enumerate(launched.rows):
             r.computed += n
@@ -242,13 +267,17 @@ class Engine:
                            "generated_tokens_per_s": generated / total if total else float("nan"),
                            "prompt_tokens": sum(len(r.prompt_ids) for r in requests), "batch": len(requests),
                            "preemptions": self._scheduler.preemptions - self._preemptions_before,
+                           "decodes_while_compiling": (self._scheduler.decodes_while_compiling
+                                                       - self._decodes_while_compiling_before),
                            "num_pages": self.pool.num_pages, "free_pages_after": self.pool.free}
         return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
 
     def _reset_stats(self) -> None:
         self._stats = {"steps": 0, "prefill_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
                        "max_running": 0}
-        self._preemptions_before = self._scheduler.preemptions  # the scheduler counts over the engine's life
+        # the scheduler counts over the engine's life
+        self._preemptions_before = self._scheduler.preemptions
+        self._decodes_while_compiling_before = self._scheduler.decodes_while_compiling
 
 
 def _progress(total: int, enabled: bool):

@@ -8,6 +8,7 @@ power of two of pages -- so a workload compiles a handful of programs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -29,7 +30,8 @@ def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
     return out
 
 
-def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None) -> tuple[int, int, int, int]:
+def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None,
+               page_size: int | None = None) -> tuple[int, int, int, int]:
     """(tokens, rows, block-table width in pages, tokens per row) of the program that runs ``batch``.
 
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): tokens to
@@ -37,14 +39,23 @@ def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None) 
     the same for M 1..8; prompt steps' rows unpadded, since each costs XLA's prompt attention a
     [row width x S] block); tokens per row (prompt steps) to powers of two (at least 16); block
     tables to a power of two of pages (at least 8) unless fixed (decode steps that run the kernel).
+    With ``page_size``, a row's pages count those its fed tokens will need (a planned step whose
+    pages are not allocated yet); without, the pages it holds.
     """
     total = sum(n for _, n in batch)
     decode = total == len(batch)
     rows = bucket(len(batch), 8 if decode else 1)
     row_width = 1 if decode else bucket(max(n for _, n in batch), 16)
-    longest = max(len(r.pages) for r, _ in batch)
+    longest = max(max(len(r.pages), -(-(r.computed + n) // page_size) if page_size else 0) for r, n in batch)
     width = fixed_table_width if decode and fixed_table_width is not None else bucket(longest, 8)
     return bucket(total, 16), rows, width, row_width
+
+
+def prompt_logprobs_k(batch: list[tuple[Request, int]]) -> int | None:
+    """The most prompt log-prob alternatives a row of ``batch`` wants for the tokens it feeds (None: none)."""
+    ks = [r.params.prompt_logprobs for r, _ in batch
+          if r.params.prompt_logprobs is not None and r.computed + 1 < len(r.prompt_ids)]
+    return max(ks) if ks else None
 
 
 @dataclasses.dataclass
@@ -99,7 +110,62 @@ class Runner:
 
         self._forward = forward
         self._step = jax.jit(self._step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
-        self.shapes: set[tuple] = set()  # (tokens, rows, table width, row width, logprobs, sampler) compiled so far
+        self.shapes: set[tuple] = set()  # step keys (see step_key) run so far
+        # Programs compiled off the engine's thread (see ready), by step key; one compile at a time.
+        self._compiled: dict[tuple, object] = {}
+        self._compiling: tuple[tuple, concurrent.futures.Future] | None = None
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def step_key(self, batch: list[tuple[Request, int]]) -> tuple:
+        """The program a step of ``batch`` rows runs: (tokens, rows, table width, row width, logprobs,
+        prompt logprobs, sampler). The rows' pages need not be allocated yet."""
+        shape = step_shape(batch, self.fixed_table_width, self.page_size)
+        params = [r.params for r, _ in batch]
+        return (*shape, max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch), sampler_for(params))
+
+    def ready(self, batch: list[tuple[Request, int]]) -> bool:
+        """Whether a step of ``batch`` can launch without compiling first. When it cannot, its program
+        starts compiling on a helper thread (unless another compile runs), so the caller can run other
+        steps meanwhile: a new prompt-step shape met by a server costs its streams nothing but the
+        wait of the requests in that step (an 8B program took 6-8 s to compile on the H200)."""
+        key = self.step_key(batch)
+        if key in self.shapes or key in self._compiled:
+            return True
+        if self._compiling is not None:
+            pending, future = self._compiling
+            if not future.done():
+                return False
+            self._compiling = None
+            if future.exception() is None:
+                self._compiled[pending] = future.result()
+            if pending == key:  # done (or failed: launch then compiles in line and raises where it runs)
+                return True
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelopt-jax-compile")
+        self._compiling = (key, self._compiler.submit(self._compile, key, self._abstract_operands(key)))
+        return False
+
+    def _abstract_operands(self, key: tuple) -> tuple:
+        """Shapes, dtypes and shardings of a step's operands (taken on the engine's thread: the live
+        cache is donated by every step)."""
+        tokens, rows, width, row_width = key[:4]
+
+        def like(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+        i32, f32, u32 = np.int32, np.float32, np.uint32
+        per_token, per_row = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((rows,), i32)
+        return (jax.tree_util.tree_map(like, self.state), jax.tree_util.tree_map(like, self.cache),
+                per_token, per_token, per_token, per_token,                         # ids, positions, slots, rows
+                jax.ShapeDtypeStruct((rows, width), i32), jax.ShapeDtypeStruct((rows, row_width), i32),
+                per_row, per_token,                                                  # last, next ids
+                jax.ShapeDtypeStruct((rows,), f32), per_row, jax.ShapeDtypeStruct((rows,), f32),
+                jax.ShapeDtypeStruct((rows, 2), u32), jax.ShapeDtypeStruct((rows,), u32),
+                like(self._last_tokens), per_token)                                  # last tokens, from last
+
+    def _compile(self, key: tuple, operands: tuple):
+        num_logprobs, prompt_k, sampler = key[4:]
+        return self._step.lower(num_logprobs, prompt_k, sampler, *operands).compile()
 
     def _step_fn(self, num_logprobs, prompt_logprobs, sampler, state, cache, ids, positions, slots, token_rows, block_tables,
                  row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters, last_tokens, from_last):
@@ -124,11 +190,13 @@ class Runner:
         A row's input token may still be in flight (``request.inflight_row`` >= 0 and its value
         unknown on the host): it is read on the device from the previous launched step's tokens.
         Requests are not modified: the caller advances ``computed`` and ``inflight``. Shapes: see
-        :func:`step_shape`.
+        :func:`step_shape`. A program compiled off-thread (:meth:`ready`) runs as compiled; one still
+        compiling is waited for; any other compiles here, as ``jax.jit`` does.
         """
         page = self.page_size
         decode = all(n == 1 for _, n in batch)
-        tokens_b, rows, width, row_width = step_shape(batch, self.fixed_table_width)
+        key = self.step_key(batch)
+        tokens_b, rows, width, row_width = key[:4]
         n_rows = len(batch)
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
@@ -136,7 +204,6 @@ class Runner:
         tables = np.zeros((rows, width), np.int32)
         row_tokens = np.full((rows, row_width), tokens_b, np.int32)  # tokens_b: padding
         next_ids = np.zeros(tokens_b, np.int32)
-        prompt_k = None
         offset = 0
         for b, (r, n) in enumerate(batch):
             start, pages = r.computed, r.pages
@@ -159,7 +226,6 @@ class Runner:
                 tok_rows += [b] * n
                 row_tokens[b, :n] = np.arange(offset, offset + n)
             if r.params.prompt_logprobs is not None and start + 1 < len(r.prompt_ids):
-                prompt_k = max(prompt_k or 0, r.params.prompt_logprobs)
                 end = min(start + n + 1, len(r.prompt_ids))  # next prompt token of each fed position
                 next_ids[offset:offset + end - start - 1] = r.prompt_ids[start + 1:end]
             offset += n
@@ -178,12 +244,18 @@ class Runner:
         row_keys[:n_rows] = [r.row_key for r, _ in batch]
         counters = _padded([len(r.generated) + r.inflight for r, _ in batch], rows, 0, np.uint32)
         from_last = _padded(tok_from_last, tokens_b, -1)
-        num_logprobs = max((r.params.logprobs or 0) for r, _ in batch)
-        sampler = sampler_for(params)  # greedy steps skip the sort that top-k/top-p need
-        self.shapes.add((tokens_b, rows, width, row_width, num_logprobs, prompt_k, sampler))
-        tokens, logprobs, prompt, self.cache = self._step(
-            num_logprobs, prompt_k, sampler, self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last,
-            next_ids, temps, top_k, top_p, row_keys, counters, self._last_tokens, from_last)
+        num_logprobs, prompt_k, sampler = key[4:]  # sampler: greedy steps skip the sort top-k/top-p need
+        operands = (self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last, next_ids, temps,
+                    top_k, top_p, row_keys, counters, self._last_tokens, from_last)
+        if self._compiling is not None and self._compiling[0] == key:  # compiling off-thread: wait for it
+            self._compiling[1].exception()
+            self.ready(batch)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            tokens, logprobs, prompt, self.cache = compiled(*operands)
+        else:
+            tokens, logprobs, prompt, self.cache = self._step(num_logprobs, prompt_k, sampler, *operands)
+        self.shapes.add(key)
         self._last_tokens = tokens
         return LaunchedStep([(r, n, r.computed, r.computed + n == r.length) for r, n in batch],
                             (tokens, logprobs, prompt))

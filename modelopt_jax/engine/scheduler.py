@@ -13,6 +13,9 @@ the per-token kernel, see bench/RESULTS.md.)
   is free preempts the most recently admitted request: its pages are freed at once and it goes back
   to the front of the queue, to be recomputed (prompt + what it had generated) when pages free up.
 - A finished request's pages are freed the moment it finishes.
+- (The server) a prompt step whose program is still compiling waits while the running requests
+  decode: ``schedule(ready=...)`` plans the prompt step without changing anything, and commits it
+  only once its program is ready or nothing else can run.
 
 The engine schedules step N+1 while the device still runs step N (``speculative=True``): the
 policy is the same, but such a step never preempts -- a preempted request may have a token in
@@ -35,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
+        self.decodes_while_compiling = 0  # decode steps run while a prompt step's program compiled
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -62,37 +66,60 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(victim)
 
-    def schedule(self, speculative: bool = False) -> list[tuple[Request, int]] | None:
+    def schedule(self, speculative: bool = False, ready=None) -> list[tuple[Request, int]] | None:
         """The next step's rows: (request, tokens to feed). Never empty while requests remain, unless
-        ``speculative``: then None when the step would need a preemption, or has nothing to run."""
+        ``speculative``: then None when the step would need a preemption, or has nothing to run.
+
+        ``ready(rows) -> bool`` (optional) says whether a prompt step's program is compiled. When it
+        is not and running requests can decode, they decode instead and the prompt step waits (its
+        requests stay queued or part-way), so a compile does not stall every running stream.
+        """
         while True:
-            batch = self._prefill() or self._decode(speculative)
+            plan = self._plan_prefill()
+            if plan and (ready is None or not self._can_decode() or ready([(r, n) for r, n, _ in plan])):
+                batch = self._commit_prefill(plan)
+            else:
+                batch = self._decode(speculative)
+                self.decodes_while_compiling += bool(plan and batch)
             if batch or speculative:
                 return batch or None
             # Every running request is part-way through a prompt and none can get a page: free the
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
 
-    def _prefill(self) -> list[tuple[Request, int]]:
-        batch, budget = [], self.max_prefill_tokens
+    def _can_decode(self) -> bool:
+        return any(r.pending == 1 for r in self.running)
+
+    def _plan_prefill(self) -> list[tuple[Request, int, bool]]:
+        """The prompt step the policy would run now: (request, tokens, newly admitted), changing nothing."""
+        plan, budget, free, admitted = [], self.max_prefill_tokens, self.pool.free, 0
+        page = self.pool.page_size
         for r in [r for r in self.running if r.pending > 1]:
-            n = min(r.pending, budget, (len(r.pages) + self.pool.free) * self.pool.page_size - r.computed)
+            n = min(r.pending, budget, (len(r.pages) + free) * page - r.computed)
             if n <= 0:
                 continue
-            self.pool.grow(r.pages, r.computed + n)
-            batch.append((r, n))
+            free -= max(0, self.pool.pages_for(r.computed + n) - len(r.pages))
+            plan.append((r, n, False))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            n = min(r.pending, budget)
-            if self.pool.pages_for(n) + len(self.running) > self.pool.free:
+        for r in self.waiting:
+            if budget <= 0 or len(self.running) + admitted >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self.pool.grow(r.pages, n)
-            self.running.append(r)
-            batch.append((r, n))
+            n = min(r.pending, budget)
+            if self.pool.pages_for(n) + len(self.running) + admitted > free:
+                break
+            free -= self.pool.pages_for(n)
+            admitted += 1
+            plan.append((r, n, True))
             budget -= n
-        return batch
+        return plan
+
+    def _commit_prefill(self, plan: list[tuple[Request, int, bool]]) -> list[tuple[Request, int]]:
+        for r, n, admitted in plan:
+            if admitted:
+                self.waiting.popleft()
+                self.running.append(r)
+            self.pool.grow(r.pages, r.computed + n)
+        return [(r, n) for r, n, _ in plan]
 
     def _decode(self, speculative: bool = False) -> list[tuple[Request, int]] | None:
         batch = []

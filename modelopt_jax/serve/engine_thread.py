@@ -94,6 +94,9 @@ class EngineThread:
 
     def __init__(self, engine):
         self.engine = engine
+        # Requests arrive at any time, so prompt steps meet new shapes long after start-up: their
+        # programs compile off-thread while the running streams keep decoding (Engine.step).
+        engine.compile_in_background = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[Request, tuple[Stream, int]] = {}   # live requests -> (stream, index in it)
         self._lock = threading.Lock()       # orders submit() against the loop's death
