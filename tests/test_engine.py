@@ -307,6 +307,32 @@ def test_page_pool_bookkeeping():
         PagePool(1, 16)
 
 
+def test_waiting_prompt_step_never_costs_a_needless_preemption():
+    """A prompt step waits for its program while the running requests decode; if the decode rows
+    then get preempted for pages, the prompt step runs after all -- the part-way prompt is not
+    preempted too (nor does an empty running set crash the scheduler)."""
+    from modelopt_jax.engine.request import Request
+    from modelopt_jax.engine.scheduler import Scheduler
+
+    def request(i, n):
+        return Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=8),
+                       stop_ids=frozenset(), budget=8, row_key=np.zeros(2, np.uint32))
+
+    pool = PagePool(3, 4)  # two usable pages of 4 tokens
+    scheduler = Scheduler(pool, max_num_seqs=8, max_prefill_tokens=2)
+    part_way, decoding = request(0, 6), request(1, 4)
+    assert pool.grow(part_way.pages, 2) and pool.grow(decoding.pages, 4) and pool.free == 0
+    part_way.computed, decoding.computed, decoding.generated = 2, 4, [9]  # 4 prompt tokens left / 1 to feed
+    scheduler.running = [part_way, decoding]
+    asked = []
+    batch = scheduler.schedule(ready=lambda rows: asked.append(rows) or False)
+    assert asked == [[(part_way, 2)]]                      # asked once, answered "still compiling"
+    assert batch == [(part_way, 2)]                        # ... but the decode row had to go: prompt step
+    assert scheduler.running == [part_way] and list(scheduler.waiting) == [decoding]
+    assert scheduler.preemptions == 1 and decoding.pages == [] and part_way.pages
+    assert scheduler.decodes_while_compiling == 0
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(kv_cache_memory_fraction=0), "kv_cache_memory_fraction=0 must be in"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction=1.5 must be in"),

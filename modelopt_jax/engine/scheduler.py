@@ -76,13 +76,18 @@ class Scheduler:
         """
         while True:
             plan = self._plan_prefill()
-            if plan and (ready is None or not self._can_decode() or ready([(r, n) for r, n, _ in plan])):
+            deferred = bool(plan) and ready is not None and self._can_decode() and not ready(
+                [(r, n) for r, n, _ in plan])
+            if plan and not deferred:
                 batch = self._commit_prefill(plan)
             else:
                 batch = self._decode(speculative)
-                self.decodes_while_compiling += bool(plan and batch)
+                self.decodes_while_compiling += bool(deferred and batch)
             if batch or speculative:
                 return batch or None
+            if deferred:  # the decode rows were all preempted: run the prompt step after all
+                ready = None
+                continue
             # Every running request is part-way through a prompt and none can get a page: free the
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
