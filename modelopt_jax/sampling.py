@@ -110,10 +110,15 @@ def _real(name: str, value) -> None:
         raise RequestError(f"SamplingParams: {name} must be finite, got {value!r}")
 
 
+def _tempered(logits, temperature):
+    """The logits a row draws from (shared by the samplers: "tempered" must draw what "truncated" does)."""
+    return logits / jnp.maximum(temperature, 1e-6)
+
+
 def _sample_row(logits, temperature, top_k, top_p, key):
     """One row: argmax when temperature == 0, else a draw from the truncated, tempered distribution."""
     vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+    scaled = _tempered(logits, temperature)
     sorted_desc = jnp.sort(scaled)[::-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = sorted_desc[k - 1]
@@ -163,8 +168,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     if sampler == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if sampler == "tempered":
-        drawn = jax.vmap(lambda row, t, key: jax.random.categorical(key, row / jnp.maximum(t, 1e-6)))(
-            logits, temperature, keys)
+        drawn = jax.vmap(lambda row, t, key: jax.random.categorical(key, _tempered(row, t)))(logits, temperature, keys)
         return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     if sampler != "truncated":
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")

@@ -187,15 +187,12 @@ class Engine:
         """The scheduler's question before a prompt step: may it run now (True), or should the
         running requests decode while its program compiles (False)?"""
         if self.runner.ready(batch):
-            self._deferred_since = None
             return True
         now = time.perf_counter()
         if self._deferred_since is None:
             self._deferred_since = now
-        if now - self._deferred_since > MAX_PROMPT_DEFER_S:  # arrivals keep changing its shape: stop waiting
-            self._deferred_since = None
-            return True
-        return False
+        # past the bound (arrivals keep changing its shape), it runs and compiles in line
+        return now - self._deferred_since > MAX_PROMPT_DEFER_S
 
     def _launch(self, batch: list[tuple[Request, int]]):
         """Dispatches ``batch`` and advances its requests as if it had run: their fed tokens count as
@@ -203,9 +200,9 @@ class Engine:
         token completes leaves the running set now (its pages can serve the next step: the device
         runs steps in order)."""
         self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
-        if any(n > 1 for _, n in batch):
-            self._deferred_since = None  # a prompt step runs: any wait for a compile is over
         launched = self.runner.launch(batch)
+        if launched.is_prompt:
+            self._deferred_since = None  # a prompt step runs: any wait for a compile is over
         for row, (r, n, _, samples) in enumerate(launched.rows):
             r.computed += n
             if samples:

@@ -132,18 +132,26 @@ class Runner:
         if key in self.shapes or key in self._compiled:
             return True
         if self._compiling is not None:
-            pending, future = self._compiling
-            if not future.done():
+            finished = self._take_compiled()
+            if finished is None:  # still compiling
                 return False
-            self._compiling = None
-            if future.exception() is None:
-                self._compiled[pending] = future.result()
-            if pending == key:  # done (or failed: launch then compiles in line and raises where it runs)
+            if finished == key:  # done (or failed: launch then compiles in line and raises where it runs)
                 return True
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelopt-jax-compile")
         self._compiling = (key, self._compiler.submit(self._compile, key, self._abstract_operands(key)))
         return False
+
+    def _take_compiled(self, wait: bool = False) -> tuple | None:
+        """The key of the off-thread compile, once finished (waited for if ``wait``), its program
+        moved into the table (a failed one is dropped); None while it still runs."""
+        key, future = self._compiling
+        if not (wait or future.done()):
+            return None
+        self._compiling = None
+        if future.exception() is None:
+            self._compiled[key] = future.result()
+        return key
 
     def _abstract_operands(self, key: tuple) -> tuple:
         """Shapes, dtypes and shardings of a step's operands (taken on the engine's thread: the live
@@ -248,8 +256,7 @@ class Runner:
         operands = (self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last, next_ids, temps,
                     top_k, top_p, row_keys, counters, self._last_tokens, from_last)
         if self._compiling is not None and self._compiling[0] == key:  # compiling off-thread: wait for it
-            self._compiling[1].exception()
-            self.ready(batch)
+            self._take_compiled(wait=True)
         compiled = self._compiled.get(key)
         if compiled is not None:
             tokens, logprobs, prompt, self.cache = compiled(*operands)
