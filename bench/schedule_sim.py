@@ -2,10 +2,16 @@
 the programs they compile (``step_shape``), for tuning the scheduler and the bucketing on a CPU.
 
     python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs 256] [--max-prefill-tokens 2048]
+                                 [--prefill-wait-steps 8]
 
 ``--pages`` defaults to the pool ``LLM`` gives the synthetic 8B FP8 checkpoint on the H200 (bf16
 pages, kv_cache_memory_fraction 0.9). Every sampled token is a fixed id and no request stops
 early (``ignore_eos``), as in bench/serve.py.
+
+The estimated seconds use a step-time model fitted to the H200 runs of 2026-12-01 (8B FP8, bf16
+pages; bench/RESULTS.md): a decode step costs 4.6 ms plus its KV bytes at the kernel's 2.34 TB/s,
+a prompt step 17.2 ms plus 12.1 us per token (through (a)'s 2048-token steps at 42 ms and (b)'s
+~940-token steps at 28.6 ms). A guide for comparing policies, not a measurement.
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ def workload(name: str) -> list[tuple[int, int]]:
     return out
 
 
+KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B: 32 layers x 8 kv heads x 128 x (k, v) x 2 bytes
+
+
+def step_seconds(batch) -> float:
+    """The fitted H200 cost of one step (see the module docstring)."""
+    if all(n == 1 for _, n in batch):
+        return 4.6e-3 + sum(r.computed + 1 for r, _ in batch) * KV_BYTES_PER_TOKEN / 2.34e12
+    return 17.2e-3 + 12.1e-6 * sum(n for _, n in batch)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="b", choices=["a", "b"])
@@ -45,18 +61,22 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefill-wait-steps", type=int, default=8)
     args = ap.parse_args()
     requests = [Request(i, None, [5] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
                         np.zeros(2, np.uint32)) for i, (n, m) in enumerate(workload(args.workload))]
     pool = PagePool(args.pages, args.page_size)
-    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens)
+    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+                          prefill_wait_steps=args.prefill_wait_steps)
     for r in requests:
         scheduler.add(r)
     table_width = -(-args.max_model_len // args.page_size)
     shapes, rows_hist = collections.Counter(), collections.Counter()
     real = padded = 0
+    seconds = {"prompt": 0.0, "decode": 0.0}
     while not scheduler.done:
         batch = scheduler.schedule()
+        seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
         key = step_shape(batch, table_width)
         shapes[key] += 1
         prompt = key[3] > 1
@@ -75,6 +95,10 @@ def main():
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
           f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
           f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%}")
+    generated = sum(m for _, m in workload(args.workload))
+    total = seconds["prompt"] + seconds["decode"]
+    print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
+          f"{generated / total:,.0f} generated tok/s")
     print("tokens rows table-width row-width: steps")
     for k, v in sorted(shapes.items()):
         print(*k, ":", v)

@@ -59,8 +59,9 @@ class LLM:
     "require"), ``weight_cache_dir`` and ``weight_cache_timeout`` attach to a weight-cache daemon
     (see :func:`modelopt_jax.load`). The engine (:class:`modelopt_jax.engine.EngineConfig`): the KV
     page pool takes ``kv_cache_memory_fraction`` of the device (after the weights) or
-    ``kv_cache_bytes``; at most ``max_num_seqs`` requests run at once and a step prefills at most
-    ``max_prefill_tokens`` prompt tokens.
+    ``kv_cache_bytes``; at most ``max_num_seqs`` requests run at once, a step prefills at most
+    ``max_prefill_tokens`` prompt tokens, and a short prompt step waits up to ``prefill_wait_steps``
+    decode steps for more admissions while many requests decode (0: never).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
@@ -70,14 +71,15 @@ class LLM:
                  weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
                  weight_cache_timeout: float | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_bytes: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 2048,
-                 **unknown: Any):
+                 prefill_wait_steps: int = 8, **unknown: Any):
         if unknown:
             raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
                             f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
                             f"weight_cache_timeout, kv_cache_memory_fraction, kv_cache_bytes, max_num_seqs, "
-                            f"max_prefill_tokens")
+                            f"max_prefill_tokens, prefill_wait_steps")
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+                                     prefill_wait_steps=prefill_wait_steps,
                                      kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes)
         if quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")

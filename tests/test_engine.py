@@ -291,6 +291,21 @@ def test_many_prompts_with_a_small_pool_exactly_equal_without_fp8_activations():
     assert small.last_stats["free_pages_after"] == 24 and small.last_stats["max_running"] <= 24
 
 
+def test_more_than_256_running_requests():
+    """max_num_seqs above 256: a 300-row decode step (bucketed to 512 rows) runs, and each request's
+    tokens are those it gets in a batch of the default size."""
+    prompts, params = _many(300, 6)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True) for _ in prompts]
+    # (no waiting for fuller prompt steps: all 300 are admitted before the first ones finish)
+    wide = _llm(max_model_len=48, kv_cache_bytes=(300 * 3 + 1) * 32768, max_num_seqs=300, prefill_wait_steps=0)
+    assert wide.engine.pool.num_pages >= 901
+    got = wide.generate(prompts, params, use_tqdm=False)
+    assert wide.last_stats["max_running"] == 300
+    want = _llm(max_model_len=48, kv_cache_bytes=(300 * 3 + 1) * 32768, max_num_seqs=64).generate(
+        prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bookkeeping and bad input
 # ------------------------------------------------------------------------------------------------
@@ -333,7 +348,61 @@ def test_waiting_prompt_step_never_costs_a_needless_preemption():
     assert scheduler.decodes_while_compiling == 0
 
 
+def test_short_prompt_steps_wait_for_company_while_many_requests_decode():
+    """A lone admission while many requests decode waits up to prefill_wait_steps decode steps for
+    others to join its prompt step; a full step (or a small decode batch) does not wait."""
+    from modelopt_jax.engine.request import Request
+    from modelopt_jax.engine.scheduler import Scheduler
+
+    def request(i, n):
+        return Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=64),
+                       stop_ids=frozenset(), budget=64, row_key=np.zeros(2, np.uint32))
+
+    def decoding(scheduler, count):
+        for i in range(count):
+            r = request(100 + i, 4)
+            assert scheduler.pool.grow(r.pages, 5)
+            r.computed, r.generated = 4, [9]
+            scheduler.running.append(r)
+
+    def advance(batch):  # what the engine does after a step: fed tokens count as computed
+        for r, n in batch:
+            r.computed += n
+            if r.pending == 0:
+                r.generated.append(9)
+
+    scheduler = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=3)
+    decoding(scheduler, 2)  # 2 decode rows: a quarter of max_num_seqs
+    first, second = request(0, 5), request(1, 6)
+    scheduler.add(first)
+    kinds = []
+    for step in range(5):
+        if step == 1:
+            scheduler.add(second)
+        batch = scheduler.schedule()
+        kinds.append("prompt" if any(n > 1 for _, n in batch) else "decode")
+        advance(batch)
+        if kinds[-1] == "prompt":
+            assert batch == [(first, 5), (second, 6)]  # the two admissions share one step
+    assert kinds == ["decode", "decode", "decode", "prompt", "decode"]
+
+    # a step the admissions fill runs at once
+    full = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=3)
+    decoding(full, 2)
+    big = request(2, 20)
+    full.add(big)
+    assert full.schedule() == [(big, 16)]
+    # with fewer decode rows than a quarter of max_num_seqs, or no waiting allowed, nothing waits
+    for rows, wait in ((1, 3), (2, 0)):
+        idle = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=wait)
+        decoding(idle, rows)
+        lone = request(3, 5)
+        idle.add(lone)
+        assert idle.schedule() == [(lone, 5)]
+
+
 @pytest.mark.parametrize("kw,match", [
+    (dict(prefill_wait_steps=-1), "prefill_wait_steps=-1 must be a non-negative integer"),
     (dict(kv_cache_memory_fraction=0), "kv_cache_memory_fraction=0 must be in"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction=1.5 must be in"),
     (dict(kv_cache_bytes=1000), "fewer than one sequence of max_model_len=256"),

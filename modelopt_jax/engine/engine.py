@@ -38,6 +38,7 @@ class EngineConfig:
     page_size: int = 16                       # tokens per KV page
     max_num_seqs: int = 256                   # running requests at most (rows of a decode step)
     max_prefill_tokens: int = 2048            # prompt tokens per step at most (chunked prefill)
+    prefill_wait_steps: int = 8               # decode steps a short prompt step may wait for company
     kv_cache_memory_fraction: float = 0.9     # GPU: share of device memory the weights + pool may use
     kv_cache_bytes: int | None = None         # or an explicit pool size in bytes (any platform)
 
@@ -48,6 +49,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        value = self.prefill_wait_steps
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"prefill_wait_steps={value!r} must be a non-negative integer")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):
             raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes!r} must be a positive integer or None")
 
@@ -119,7 +123,8 @@ class Engine:
                 f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
-                             fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None)
+                             fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None,
+                             max_rows=config.max_num_seqs)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a prompt step whose program is not compiled yet waits, compiling
         # off-thread, while the running requests decode (Runner.ready; at most MAX_PROMPT_DEFER_S,
@@ -130,7 +135,8 @@ class Engine:
         self._deferred_since: float | None = None
         self._inflight = None
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
-                                    max_prefill_tokens=config.max_prefill_tokens)
+                                    max_prefill_tokens=config.max_prefill_tokens,
+                                    prefill_wait_steps=config.prefill_wait_steps)
         self._reset_stats()
         self.last_stats: dict[str, float] = {}
 
