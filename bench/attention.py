@@ -3,7 +3,8 @@ side by side in one process (H200; not a test).
 
     python bench/attention.py [--json out.json]
 
-Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages), the XLA path the
+Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages; ``kernel`` the
+cp.async-staged kernel the engine runs, ``kernel_reg`` the register kernel it replaced), the XLA path the
 engine runs without it (``backend="xla"``: gather the rows' pages, two einsums), and jax's Pallas GPU
 ``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
 over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
@@ -23,8 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import time_jax  # noqa: E402
+from timing import kernel_times, time_jax  # noqa: E402
 
+from modelopt_jax.ops import attention  # noqa: E402
 from modelopt_jax.ops.attention import paged_attention  # noqa: E402
 
 HEADS, KV, D, PAGE = 32, 8, 128, 16
@@ -54,6 +56,25 @@ def ours(q, pool, tables, positions, backend, fp8):
                            block_tables=tables, dtype=jnp.bfloat16, backend=backend)
 
 
+def kernel_only_seconds(fn, xs, ws) -> float:
+    """GPU time per call of our kernels alone (the attention kernel and its split merge; CUPTI), so
+    the bandwidth is the kernel's and not the dispatch's."""
+    program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
+    jax.block_until_ready(program(xs, ws))
+    times = kernel_times(lambda: jax.block_until_ready(program(xs, ws)))
+    ns = sum(total for name, (_, total) in times.items() if "PagedDecode" in name or "MergeSplits" in name)
+    return ns / 1e9 / len(ws)
+
+
+def register_kernel(*args):
+    """``ours`` through the register kernel (the flag is read when the call is traced)."""
+    attention.KERNEL_STAGED = False
+    try:
+        return ours(*args)
+    finally:
+        attention.KERNEL_STAGED = True
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -67,6 +88,7 @@ def main():
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
             kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
             peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
+                     "kernel_reg": lambda x, w: register_kernel(x, w, tables, positions, "kernel", name == "fp8"),
                      "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
             if name == "bf16":
                 # pallas pages are [KV, pages, page, D]: transposed outside the timed program
@@ -80,11 +102,16 @@ def main():
                     s = time_jax(fn, [q] * len(ws), ws)
                     line[f"{name}_{peer}_us"] = s * 1e6
                     line[f"{name}_{peer}_tbs"] = kv_bytes / s / 1e12
+                    if peer.startswith("kernel"):
+                        gpu = kernel_only_seconds(fn, [q] * len(ws), ws)
+                        line[f"{name}_{peer}_gpu_us"] = gpu * 1e6
+                        line[f"{name}_{peer}_gpu_tbs"] = kv_bytes / gpu / 1e12
                 except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                     line[f"{name}_{peer}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
             del pools
         rows.append(line)
         cells = [f"{k[:-3]} {v:.0f} ({line[k[:-3] + '_tbs']:.2f})" for k, v in line.items() if k.endswith("_us")]
+        # (the *_gpu cells: kernel time alone, CUPTI)
         print(f"batch {batch:4d} x {context:5d}: " + "; ".join(cells), flush=True)
         for k, v in line.items():
             if k.endswith("_error"):

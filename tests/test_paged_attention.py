@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from modelopt_jax.ops import native
+from modelopt_jax.ops import attention, native
 from modelopt_jax.ops.attention import kernel_splits, paged_attention
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -143,9 +143,11 @@ def test_splits_fill_the_gpu_and_stay_within_the_table():
 @pytest.mark.parametrize("pool_dtype,dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
                                               ("float8_e4m3fn", "bfloat16"), ("float8_e4m3fn", "float32")])
 @pytest.mark.parametrize("shape", [1, 2, 3, 4])
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "register"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
-def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype):
+def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, staged, monkeypatch):
+    monkeypatch.setattr(attention, "KERNEL_STAGED", staged)  # read when the call is traced
     cases = CASES + [(32, 8, 128, 16, [(1024, 1)] * 3 + [(4000, 1), (2, 1)] + MIXED)]  # Llama-3-8B heads
     heads, kv_heads, head_dim, page, rows = cases[shape]
     c = _case(10 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
@@ -163,6 +165,61 @@ def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype,
     assert err < _tolerance(dtype, pool_dtype), err
     xla = np.asarray(paged_attention(**args, **static, backend="xla"), np.float64)
     assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < _tolerance(dtype, pool_dtype)
+
+
+# Prompt steps as the engine packs them: chunks with and without a cached prefix, a decode row
+# riding along, rows of different widths, contexts across many 64-key tiles and page edges.
+PREFILL_CASES = [
+    # heads, kv_heads, head_dim, page, rows
+    (32, 8, 128, 16, [(1024, 1024), (700, 300), (2000, 77), (1, 1), (64, 64), (129, 1)]),  # Llama-3-8B heads
+    (8, 2, 64, 16, MIXED),
+    (4, 4, 64, 8, MIXED),                     # no GQA, small pages
+    (14, 2, 64, 16, MIXED + [(300, 130)]),    # group of 7 (Qwen2): a CTA's rows straddle tokens
+    (16, 2, 128, 24, [(500, 200), (97, 97), (30, 3)]),  # group of 8; a page size that is not a power of two
+]
+
+
+@pytest.mark.parametrize("pool_dtype,dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                              ("float16", "bfloat16"), ("float8_e4m3fn", "bfloat16")])
+@pytest.mark.parametrize("shape", range(len(PREFILL_CASES)))
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_prefill_kernel(), reason="CUDA paged prefill kernel not built")
+def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype):
+    heads, kv_heads, head_dim, page, rows = PREFILL_CASES[shape]
+    c = _case(40 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
+              pool_dtype=pool_dtype, dtype=dtype)
+    args, static = _split(c)
+    poison = jnp.full((*c["row_tokens"].shape, heads, head_dim), jnp.nan, jnp.float32)
+    fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="prefill_kernel", out_init=o))
+    hlo = fn.lower(args, poison).compile().as_text()
+    assert "modelopt_paged_prefill_poisoned" in hlo
+    got = np.asarray(fn(args, poison), np.float64)
+    assert np.isfinite(got).all()  # every real token's output was written
+    want = _reference(c)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < _tolerance(dtype, pool_dtype), err
+    # row by row too: a wrong mask on one short row would hide in the long rows' norm
+    for r in range(len(rows)):
+        mine = c["token_rows"] == r
+        row_err = np.linalg.norm(got[mine] - want[mine]) / np.linalg.norm(want[mine])
+        assert row_err < _tolerance(dtype, pool_dtype), (r, row_err)
+    xla = np.asarray(paged_attention(**args, **static, backend="xla"), np.float64)
+    assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < _tolerance(dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_prefill_kernel(), reason="CUDA paged prefill kernel not built")
+def test_auto_runs_the_prefill_kernel_for_bf16_prompt_chunks_and_xla_for_float32():
+    heads, kv_heads, head_dim, page, rows = PREFILL_CASES[1]
+    for dtype, target in [("bfloat16", "modelopt_paged_prefill"), ("float32", None)]:
+        c = _case(5, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
+                  pool_dtype="bfloat16", dtype=dtype)
+        args, static = _split(c)
+        hlo = jax.jit(lambda a: paged_attention(**a, **static)).lower(args).compile().as_text()
+        if target:
+            assert target in hlo
+        else:
+            assert "modelopt_paged" not in hlo
 
 
 @pytest.mark.gpu
