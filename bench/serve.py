@@ -168,6 +168,34 @@ def run(llm, prompts, params):
     return outs, dict(llm.last_stats)
 
 
+def run_engine_variant(llm, variant: str) -> dict:
+    """(b) under another EngineConfig (``k=v,...``), same weights: the old engine's pool is freed
+    first, then the workload runs twice (the second run is reported)."""
+    import dataclasses
+    import gc
+
+    from modelopt_jax.engine import Engine
+
+    changes = {k: int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
+    config = dataclasses.replace(llm.engine.config, **changes)
+    llm.engine = None
+    gc.collect()
+    llm.engine = Engine(llm.model, max_model_len=llm.max_model_len, config=config,
+                        pad_id=llm.model.config.pad_token_id or 0)
+    prompts, params = workload("b", llm.model.config.vocab_size)
+    t = time.perf_counter()
+    run(llm, prompts, params)
+    first = time.perf_counter() - t
+    _, st = run(llm, prompts, params)
+    ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
+    print(f"(b) [{variant}]: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
+          f"{st['generated_tokens_per_s']:.0f} generated tok/s (first run incl. compile {first:.1f} s); "
+          f"{st['decode_steps']} decode steps at {ms:.2f} ms, {st['prefill_steps']} prefill steps "
+          f"{st['prefill_s']:.2f} s; max running {st['max_running']}; "
+          f"{len(llm.engine.runner.shapes)} step shapes compiled", flush=True)
+    return {**st, "first_run_s": first, "ms_per_decode_step": ms, "programs": len(llm.engine.runner.shapes)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True)
@@ -178,9 +206,20 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", help="LLM's kv_cache_dtype (fp8: FP8 pages)")
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
+    ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
+                    help="after the workloads, run (b) again under these EngineConfig changes (repeatable), "
+                         "e.g. max_num_seqs=512,prefill_wait_steps=0")
     ap.add_argument("--profile", action="store_true",
                     help="after the workloads, the GPU kernels of (a)'s decode and prompt steps (CUPTI)")
+    ap.add_argument("--attention-kernel", choices=["staged", "register"], default="staged",
+                    help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.KERNEL_STAGED)")
+    ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
+                    help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")
     args = ap.parse_args()
+    from modelopt_jax.ops import attention
+
+    attention.KERNEL_STAGED = args.attention_kernel == "staged"
+    attention.PREFILL_KERNEL = args.prefill_kernel == "on"
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)
     dev = jax.devices()[0]
@@ -197,7 +236,7 @@ def main():
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
           f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
-    report = {"device": dev.device_kind, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
+    report = {"device": dev.device_kind, "attention_kernel": args.attention_kernel, "prefill_kernel": args.prefill_kernel, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static}
     for name in args.workloads.split(","):
         if name == "c":
@@ -232,6 +271,8 @@ def main():
               + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else "")
               + (f"; {st['generated_tokens_per_s'] / static['generated_tokens_per_s']:.2f}x the static dense loop"
                  if name == "a" and static else ""), flush=True)
+    for variant in args.engine:
+        report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant)
     if args.profile:
         report["profile_a"] = profile_a(llm, model.config.vocab_size)
     stats = dev.memory_stats() or {}

@@ -24,7 +24,7 @@ from modelopt_jax.engine.request import Request, RequestOutput, logprob_entry
 from modelopt_jax.engine.runner import Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
-from modelopt_jax.ops.attention import kernel_supports
+from modelopt_jax.ops.attention import kernel_supports, prefill_kernel_supports
 
 
 MAX_PROMPT_DEFER_S = 30.0  # longest a prompt step waits for its off-thread compile before compiling in line
@@ -96,12 +96,14 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
 
 
-def reads_only_used_pages(model) -> bool:
-    """Whether the model's attention runs the CUDA kernel, which reads only the pages in use."""
+def reads_only_used_pages(model, prompt: bool = False) -> bool:
+    """Whether the model's decode steps (``prompt``: prompt steps) run a CUDA attention kernel,
+    which reads only the pages in use, so their block tables can be the full width at no cost."""
     device = _first_device(model)
     attn = model.layers[0].self_attn
-    return device.platform == "gpu" and kernel_supports(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                                        attn.kv.dtype, attn.dtype)
+    supports = prefill_kernel_supports if prompt else kernel_supports
+    return device.platform == "gpu" and supports(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                 attn.kv.dtype, attn.dtype)
 
 
 class Engine:
@@ -124,7 +126,8 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = Runner(model, num_pages, config.page_size, pad_id,
                              fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None,
-                             max_rows=config.max_num_seqs)
+                             max_rows=config.max_num_seqs,
+                             fixed_prompt_tables=reads_only_used_pages(model, prompt=True))
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a prompt step whose program is not compiled yet waits, compiling
         # off-thread, while the running requests decode (Runner.ready; at most MAX_PROMPT_DEFER_S,

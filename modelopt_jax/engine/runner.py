@@ -31,14 +31,15 @@ def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
 
 
 def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None,
-               page_size: int | None = None) -> tuple[int, int, int, int]:
+               page_size: int | None = None, fixed_prompt_tables: bool = False) -> tuple[int, int, int, int]:
     """(tokens, rows, block-table width in pages, tokens per row) of the program that runs ``batch``.
 
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): tokens to
     powers of two (at least 16); rows to powers of two (at least 8 in a decode step: a GEMM costs
     the same for M 1..8; prompt steps' rows unpadded, since each costs XLA's prompt attention a
     [row width x S] block); tokens per row (prompt steps) to powers of two (at least 16); block
-    tables to a power of two of pages (at least 8) unless fixed (decode steps that run the kernel).
+    tables to a power of two of pages (at least 8) unless fixed (decode steps that run the decode
+    kernel; prompt steps too with ``fixed_prompt_tables``, when the prefill kernel runs them).
     With ``page_size``, a row's pages count those its fed tokens will need (a planned step whose
     pages are not allocated yet); without, the pages it holds.
     """
@@ -47,7 +48,8 @@ def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None,
     rows = bucket(len(batch), 8 if decode else 1)
     row_width = 1 if decode else bucket(max(n for _, n in batch), 16)
     longest = max(max(len(r.pages), -(-(r.computed + n) // page_size) if page_size else 0) for r, n in batch)
-    width = fixed_table_width if decode and fixed_table_width is not None else bucket(longest, 8)
+    fixed = fixed_table_width is not None and (decode or fixed_prompt_tables)
+    width = fixed_table_width if fixed else bucket(longest, 8)
     return bucket(total, 16), rows, width, row_width
 
 
@@ -86,13 +88,14 @@ class Runner:
     chunks and decode tokens they are.
 
     ``fixed_table_width`` (pages): decode steps' block tables always that wide -- right when their
-    attention reads only the pages in use (the CUDA kernel), so the width costs nothing and never
-    adds a program; otherwise (prompt steps, or no kernel) the width is bucketed to the step's
-    longest row, since XLA's attention gathers the whole width.
+    attention reads only the pages in use (the CUDA decode kernel), so the width costs nothing and
+    never adds a program; prompt steps' too with ``fixed_prompt_tables`` (the CUDA prefill kernel
+    runs them); otherwise the width is bucketed to the step's longest row, since XLA's attention
+    gathers the whole width.
     """
 
     def __init__(self, model, num_pages: int, page_size: int, pad_id: int = 0, fixed_table_width: int | None = None,
-                 max_rows: int = 256):
+                 max_rows: int = 256, fixed_prompt_tables: bool = False):
         from flax import nnx
 
         self.page_size = page_size
@@ -102,6 +105,7 @@ class Runner:
         self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
         self.pad_id = pad_id
         self.fixed_table_width = fixed_table_width
+        self.fixed_prompt_tables = fixed_prompt_tables
         self.cache = model.init_paged_cache(num_pages, page_size)
         graphdef, self.state = nnx.split(model)
 
@@ -119,7 +123,7 @@ class Runner:
     def step_key(self, batch: list[tuple[Request, int]]) -> tuple:
         """The program a step of ``batch`` rows runs: (tokens, rows, table width, row width, logprobs,
         prompt logprobs, sampler). The rows' pages need not be allocated yet."""
-        shape = step_shape(batch, self.fixed_table_width, self.page_size)
+        shape = step_shape(batch, self.fixed_table_width, self.page_size, self.fixed_prompt_tables)
         params = [r.params for r, _ in batch]
         return (*shape, max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch), sampler_for(params))
 

@@ -23,6 +23,8 @@ KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUP = 8
 KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_STAGED = True  # the cp.async-staged kernel (False: the register kernel; bench/attention.py times both)
+PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
 
@@ -50,31 +52,53 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     token t belongs to row ``token_rows[t]`` of ``block_tables`` [R, W] and sits at ``positions[t]``,
     so it sees that row's positions 0..positions[t]. ``k_scale``/``v_scale`` are the FP8 pages'
     static scales (None for bf16/f16 pages). ``row_tokens`` [R, Wq] (optional): the packed index of
-    each row's tokens in order, T for padding -- with it, XLA lays prompt chunks out per row
-    ([R, Wq] queries against each row's own [S] keys) instead of scoring every token against every
-    row's keys. Returns [T, H * D] in ``dtype``. ``backend``: "auto"
-    (the CUDA kernel where it is built, the shapes qualify and the step is decode-like -- at most
-    two tokens per row: the kernel reads each token's pages separately, which prompt chunks of
-    many tokens per sequence would re-read; XLA's batched matmuls serve those), "xla" or "kernel". ``out_init``
-    (kernel only, tests): a float32 [T, H, D] operand aliased to the kernel's output, e.g. NaN-filled
-    so that an element the kernel does not write shows.
+    each row's tokens in order, T for padding -- with it, prompt chunks are laid out per row
+    ([R, Wq] queries against each row's own keys) instead of scoring every token against every
+    row's keys. Returns [T, H * D] in ``dtype``.
+
+    ``backend``: "auto" picks, where the platform is CUDA, the native library is built and the
+    shapes qualify, the decode kernel for decode-like steps (at most two tokens per row: it reads
+    each token's pages separately, which prompt chunks of many tokens per sequence would re-read)
+    and the prefill kernel for prompt chunks laid out per row (``row_tokens`` wider than 1: each
+    CTA's 16-64 consecutive queries share every key tile, on the tensor cores; bf16 compute, see
+    :func:`prefill_kernel_supports`); XLA otherwise.
+    "xla", "kernel" (the decode kernel, any tokens) and "prefill_kernel" (needs ``row_tokens``)
+    force one. ``out_init`` (kernels only, tests): a float32 operand of the kernel's output shape
+    ([T, H, D], or [R, Wq, H, D] for the prefill kernel) aliased to that output, e.g. NaN-filled so
+    that an element the kernel does not write shows (the prefill kernel's padding entries are
+    dropped on the way back to [T]: a NaN shows only where a real token's output was not written).
     """
     decode_like = q.shape[0] <= 2 * block_tables.shape[0]
-    if backend == "xla" or (backend == "auto" and not (decode_like and _kernel_qualifies(q, k_pool, dtype))):
-        return _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
-                                    v_scale=v_scale, page_size=page_size, dtype=dtype, row_tokens=row_tokens)
-    kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
-                               dtype=dtype, out_init=out_init)
-    operands = (q, k_pool, v_pool, token_rows, positions, block_tables)
-    if backend == "kernel":
-        return kernel(*operands)
+    prompt_like = row_tokens is not None and row_tokens.shape[1] > 1
     xla = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
                             dtype=dtype, row_tokens=row_tokens)
+    operands = (q, k_pool, v_pool, token_rows, positions, block_tables)
+    if backend == "prefill_kernel" and row_tokens is None:
+        raise ValueError("backend='prefill_kernel' needs row_tokens")
+    if backend == "auto":
+        if decode_like and _kernel_qualifies(q, k_pool, dtype):
+            backend = "auto_decode"
+        elif prompt_like and _prefill_kernel_qualifies(q, k_pool, dtype):
+            backend = "auto_prefill"
+        else:
+            return xla(*operands)
+    if backend == "xla":
+        return xla(*operands)
+    if backend in ("kernel", "auto_decode"):
+        kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
+                                   dtype=dtype, out_init=out_init)
+    elif backend in ("prefill_kernel", "auto_prefill"):
+        kernel = functools.partial(_prefill_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale,
+                                   page_size=page_size, dtype=dtype, row_tokens=row_tokens, out_init=out_init)
+    else:
+        raise ValueError(f"backend={backend!r}: choose auto, xla, kernel or prefill_kernel")
+    if not backend.startswith("auto"):
+        return kernel(*operands)
     return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 
 
 def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
-    """Whether the CUDA kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
+    """Whether the CUDA decode kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
     from modelopt_jax.ops import native
 
     return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
@@ -82,9 +106,25 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype)
             and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
 
 
+def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
+    """Whether the CUDA prefill kernel is built and serves this shape and compute dtype. Its MMAs
+    take bf16 operands (f16 for f16 pages), so it serves bf16 compute, and f16 compute over f16
+    pages; float32 compute keeps XLA's path, whose float32 einsums it would not match."""
+    from modelopt_jax.ops import native
+
+    pool, compute = jnp.dtype(pool_dtype).name, jnp.dtype(dtype).name
+    return (PREFILL_KERNEL and native.has_paged_prefill_kernel() and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype)
+            and (compute == "bfloat16" or (compute == "float16" and pool == "float16")))
+
+
 def _kernel_qualifies(q, k_pool, dtype) -> bool:
     _, h, d = q.shape
     return kernel_supports(h, k_pool.shape[1], d, k_pool.dtype, dtype)
+
+
+def _prefill_kernel_qualifies(q, k_pool, dtype) -> bool:
+    _, h, d = q.shape
+    return prefill_kernel_supports(h, k_pool.shape[1], d, k_pool.dtype, dtype)
 
 
 def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 132) -> int:
@@ -121,8 +161,36 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
     out, _, _ = call(*operands,
                      k_scale=np.float32(1.0 if k_scale is None else k_scale),
                      v_scale=np.float32(1.0 if v_scale is None else v_scale),
-                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
+                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
+                     staged=np.int32(KERNEL_STAGED))
     return out.reshape(t, h * d).astype(dtype)
+
+
+def _prefill_kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale,
+                                    page_size, dtype, row_tokens, out_init=None):
+    """The prefill kernel: its [R, Wq, H, D] output (one slot per row entry, padding entries zero)
+    scattered back to the packed tokens; a packed token in no row (step padding) gets zeros, as on
+    XLA's per-row path."""
+    from modelopt_jax.ops import native
+
+    del token_rows  # the kernel finds each row's tokens through row_tokens
+    native.cuda_library()  # registers the kernel's FFI target
+    t, h, d = q.shape
+    rows, width = row_tokens.shape
+    operands = [q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
+                positions.astype(jnp.int32)]
+    target, aliases = native.PAGED_PREFILL_TARGET, {}
+    if out_init is not None:
+        target, aliases = native.PAGED_PREFILL_POISONED_TARGET, {len(operands): 0}
+        operands.append(out_init)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, width, h, d), jnp.float32),
+                            vmap_method="broadcast_all", input_output_aliases=aliases)
+    out_rows = call(*operands, k_scale=np.float32(1.0 if k_scale is None else k_scale),
+                    v_scale=np.float32(1.0 if v_scale is None else v_scale),
+                    softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
+    out = jnp.zeros((t + 1, h * d), dtype).at[row_tokens.reshape(-1)].set(
+        out_rows.reshape(-1, h * d).astype(dtype), mode="drop")
+    return out[:t]
 
 
 @functools.cache

@@ -1,0 +1,436 @@
+// XLA FFI handler of the modelopt_paged_prefill op: prompt chunks attend over their sequences' pages
+// of the paged KV cache (causal), on the tensor cores (FlashAttention-2 style).
+//
+// Why a kernel: the engine's prompt steps ran XLA's attention over each row's gathered pages --
+// a dense [rows, pages * page, kv, d] copy of the keys and values, transposes for the einsums,
+// float32 scores of [rows, heads, row width, pages * page] written and read back, and padding of
+// every row to the step's widest. On the H200 that took about as long as the step's FP8 GEMMs
+// (bench/RESULTS.md, the profile of workload (a)'s prompt steps). Here each CTA takes 64 query rows
+// (consecutive tokens of one row, times the GQA heads of one kv head), streams that sequence's
+// pages up to its last token through shared memory 64 keys at a time, and keeps the softmax state
+// in registers; scores and P.V run as bf16 (or f16) m16n8k16 MMAs with float32 accumulation.
+//
+// Layout (the same pool as the decode kernel, modelopt_jax.kv_cache.PagedKVCache): keys/values
+// [slots, kv_heads, d], slot = block_table[r, p // page] * page + p % page. Queries: q float32
+// [T, heads, d] packed; row r's i-th query token is q[row_tokens[r, i]] (T marks padding) at
+// positions[row_tokens[r, i]], and it attends over that row's positions 0 .. its own. Output:
+// float32 [R, Wq, heads, d] per row (padding entries written as zeros); the caller scatters it
+// back to the packed order. FP8 pages hold e4m3 codes, which bf16 holds exactly: the key scale
+// multiplies the float32 scores, the value scale the output. The probabilities are rounded to the
+// MMA type before P.V, as XLA's path rounds them to the compute dtype.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace modelopt_jax::cuda {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int kWarps = 4;
+constexpr int kRows = kWarps * 16;  // query rows (token, head) per CTA: 16 per warp (one MMA's M)
+constexpr int kKeys = 64;           // keys per shared-memory tile
+constexpr int kPad = 8;             // elements of padding per smem row: conflict-free fragment loads
+constexpr float kFloor = -1e30f;    // running max's start: finite, so exp2(floor - floor) is 1, never NaN
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Params {
+  const float* q;             // [T, H, D]
+  const void* k;              // [slots, KV, D]
+  const void* v;
+  const int32_t* tables;      // [R, W]
+  const int32_t* row_tokens;  // [R, Wq], T = padding
+  const int32_t* positions;   // [T]
+  float* out;                 // [R, Wq, H, D]
+  int tokens, kv_heads, table_width, row_width, page, page_shift;  // page_shift: log2(page), or -1
+  float score_scale;          // softmax scale x FP8 key scale x log2(e)
+  float v_scale;              // FP8 value scale (1 otherwise)
+};
+
+// The MMA's element type for a pool type: f16 pages run f16 MMAs, bf16 and FP8 pages bf16 ones.
+template <typename T>
+struct Mma {
+  using Elem = __nv_bfloat16;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Mma<__half> {
+  using Elem = __half;
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void CommitAsync() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void WaitAllAsync() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Fills one [kKeys][D + kPad] tile of keys (or values) for positions tile0 .. tile0 + kKeys - 1
+// of the row; positions at or past kv_len are zeros (their values must not be NaN: P is 0 there).
+template <typename T, int D>
+__device__ __forceinline__ void LoadTile(const Params& p, const T* pool, const int32_t* sm_slots,
+                                         typename Mma<T>::Elem (*tile)[D + kPad], int kvh) {
+  const size_t row_stride = (size_t)p.kv_heads * D;
+  if constexpr (sizeof(T) == 2) {  // 16-byte cp.async straight into the tile
+    constexpr int kChunks = D / 8;  // per key row
+    for (int c = threadIdx.x; c < kKeys * kChunks; c += kWarps * 32) {
+      const int key = c / kChunks, part = c % kChunks;
+      const int slot = sm_slots[key];
+      const T* src = pool + (slot >= 0 ? (size_t)slot * row_stride + (size_t)kvh * D + part * 8 : 0);
+      CopyAsync16(&tile[key][part * 8], src, slot >= 0);
+    }
+    CommitAsync();
+  } else {  // FP8: 16 codes per load, converted to bf16 (exact) on the way into the tile
+    constexpr int kChunks = D / 16;
+    for (int c = threadIdx.x; c < kKeys * kChunks; c += kWarps * 32) {
+      const int key = c / kChunks, part = c % kChunks;
+      const int slot = sm_slots[key];
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (slot >= 0) raw = *reinterpret_cast<const uint4*>(pool + (size_t)slot * row_stride + (size_t)kvh * D + part * 16);
+      const __nv_fp8x2_storage_t* codes = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+      uint32_t packed[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes[i], __NV_E4M3);
+        float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+        packed[i] = Mma<T>::pack(f.x, f.y);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(&tile[key][part * 16]);
+      dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+  }
+}
+
+// grid (ceil(Wq * G / kRows), KV, R), kWarps warps. Query row j of the CTA is (token i, head g) with
+// i * G + g = blockIdx.x * kRows + j; warp w owns rows 16w .. 16w + 15. A lane holds, per MMA
+// fragment, rows lane / 4 and lane / 4 + 8 of its warp's 16 and columns 2 (lane % 4) (+1, +8, +9).
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kWarps * 32) PagedPrefillKernel(Params p) {
+  using M = Mma<T>;
+  using E = typename M::Elem;
+  __shared__ __align__(16) E sm_k[kKeys][D + kPad];
+  __shared__ __align__(16) E sm_v[kKeys][D + kPad];
+  __shared__ int32_t sm_slots[kKeys];
+  __shared__ int32_t sm_tok[kRows], sm_pos[kRows];
+  __shared__ int32_t sm_kv_len;
+
+  const int kvh = blockIdx.y, r = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gq = lane / 4, tq = lane % 4;  // MMA fragment row group and column pair
+  const int H = p.kv_heads * G;
+  const int row0 = blockIdx.x * kRows;
+
+  if (threadIdx.x == 0) sm_kv_len = 0;
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    const int j = row0 + threadIdx.x, i = j / G;
+    int tok = -1, pos = -1;
+    if (i < p.row_width) {
+      const int t = p.row_tokens[(size_t)r * p.row_width + i];
+      if (t >= 0 && t < p.tokens) tok = t, pos = p.positions[t];
+    }
+    sm_tok[threadIdx.x] = tok, sm_pos[threadIdx.x] = pos;
+    if (pos >= 0) atomicMax(&sm_kv_len, pos + 1);
+  }
+  __syncthreads();
+  const int kv_len = sm_kv_len;
+
+  // This lane's two rows: their positions, and Q as A fragments (D / 16 k-steps of 4 registers).
+  const int lo = warp * 16 + gq, hi = lo + 8;
+  const int pos_lo = sm_pos[lo], pos_hi = sm_pos[hi];
+  uint32_t qa[D / 16][4];
+  {
+    const float* q_lo = sm_tok[lo] >= 0 ? p.q + ((size_t)sm_tok[lo] * H + kvh * G + (row0 + lo) % G) * D : nullptr;
+    const float* q_hi = sm_tok[hi] >= 0 ? p.q + ((size_t)sm_tok[hi] * H + kvh * G + (row0 + hi) % G) * D : nullptr;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int c = kk * 16 + 2 * tq;
+      const float2 a0 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c) : make_float2(0.f, 0.f);
+      const float2 a1 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c) : make_float2(0.f, 0.f);
+      const float2 a2 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c + 8) : make_float2(0.f, 0.f);
+      const float2 a3 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c + 8) : make_float2(0.f, 0.f);
+      qa[kk][0] = M::pack(a0.x, a0.y), qa[kk][1] = M::pack(a1.x, a1.y);
+      qa[kk][2] = M::pack(a2.x, a2.y), qa[kk][3] = M::pack(a3.x, a3.y);
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_lo = kFloor, m_hi = kFloor, l_lo = 0.f, l_hi = 0.f;  // l: this lane's partial row sums
+
+  const T* kpool = static_cast<const T*>(p.k);
+  const T* vpool = static_cast<const T*>(p.v);
+  const int32_t* table = p.tables + (size_t)r * p.table_width;
+  for (int tile0 = 0; tile0 < kv_len; tile0 += kKeys) {
+    __syncthreads();  // the previous tile is no longer read
+    if (threadIdx.x < kKeys) {
+      const int pos = tile0 + threadIdx.x;
+      int slot = -1;
+      if (pos < kv_len) {
+        const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page;
+        slot = table[pg] * p.page + (pos - pg * p.page);
+      }
+      sm_slots[threadIdx.x] = slot;
+    }
+    __syncthreads();
+    LoadTile<T, D>(p, kpool, sm_slots, sm_k, kvh);
+    LoadTile<T, D>(p, vpool, sm_slots, sm_v, kvh);
+    if constexpr (sizeof(T) == 2) WaitAllAsync();
+    __syncthreads();
+
+    // S = Q K^T: kKeys / 8 n-tiles of 16 x 8.
+    float s[kKeys / 8][4];
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const E* krow = &sm_k[j * 8 + gq][kk * 16 + 2 * tq];
+        M::run(s[j], qa[kk], *reinterpret_cast<const uint32_t*>(krow), *reinterpret_cast<const uint32_t*>(krow + 8));
+      }
+    }
+    // Scale, mask (key position <= the row's), online softmax over the tile.
+    float mx_lo = kFloor, mx_hi = kFloor;
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+      const int key = tile0 + j * 8 + 2 * tq;
+      s[j][0] = key <= pos_lo ? s[j][0] * p.score_scale : -INFINITY;
+      s[j][1] = key + 1 <= pos_lo ? s[j][1] * p.score_scale : -INFINITY;
+      s[j][2] = key <= pos_hi ? s[j][2] * p.score_scale : -INFINITY;
+      s[j][3] = key + 1 <= pos_hi ? s[j][3] * p.score_scale : -INFINITY;
+      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off *= 2) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);
+    m_lo = new_lo, m_hi = new_hi;
+    l_lo *= corr_lo, l_hi *= corr_hi;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] *= corr_lo, o[n][1] *= corr_lo, o[n][2] *= corr_hi, o[n][3] *= corr_hi;
+#pragma unroll
+    for (int j = 0; j < kKeys / 8; ++j) {
+      s[j][0] = exp2f(s[j][0] - m_lo), s[j][1] = exp2f(s[j][1] - m_lo);
+      s[j][2] = exp2f(s[j][2] - m_hi), s[j][3] = exp2f(s[j][3] - m_hi);
+      l_lo += s[j][0] + s[j][1], l_hi += s[j][2] + s[j][3];
+    }
+    // O += P V: the S accumulators are P's A fragments (two n-tiles make one 16-key k-step).
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint32_t pa[4] = {M::pack(s[2 * kk][0], s[2 * kk][1]), M::pack(s[2 * kk][2], s[2 * kk][3]),
+                              M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              M::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const int key = kk * 16 + 2 * tq;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + gq;
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(&sm_v[key][col]);
+        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(&sm_v[key + 1][col]);
+        const uint16_t* v8 = reinterpret_cast<const uint16_t*>(&sm_v[key + 8][col]);
+        const uint16_t* v9 = reinterpret_cast<const uint16_t*>(&sm_v[key + 9][col]);
+        M::run(o[n], pa, (uint32_t)*v0 | ((uint32_t)*v1 << 16), (uint32_t)*v8 | ((uint32_t)*v9 << 16));
+      }
+    }
+  }
+
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
+  }
+  const float inv_lo = l_lo > 0.f ? p.v_scale / l_lo : 0.f, inv_hi = l_hi > 0.f ? p.v_scale / l_hi : 0.f;
+  // Every (row, head) of the output tile that exists is written, padding entries as zeros.
+  const int j_lo = row0 + lo, j_hi = row0 + hi;
+  float* out_lo = j_lo / G < p.row_width
+                      ? p.out + (((size_t)r * p.row_width + j_lo / G) * H + kvh * G + j_lo % G) * D : nullptr;
+  float* out_hi = j_hi / G < p.row_width
+                      ? p.out + (((size_t)r * p.row_width + j_hi / G) * H + kvh * G + j_hi % G) * D : nullptr;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int c = n * 8 + 2 * tq;
+    if (out_lo) *reinterpret_cast<float2*>(out_lo + c) = make_float2(o[n][0] * inv_lo, o[n][1] * inv_lo);
+    if (out_hi) *reinterpret_cast<float2*>(out_hi + c) = make_float2(o[n][2] * inv_hi, o[n][3] * inv_hi);
+  }
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("modelopt_paged_prefill: " + what);
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+template <typename T, int D, int G>
+void Launch(const Params& p, int rows, cudaStream_t stream) {
+  dim3 grid((p.row_width * G + kRows - 1) / kRows, p.kv_heads, rows);
+  PagedPrefillKernel<T, D, G><<<grid, kWarps * 32, 0, stream>>>(p);
+}
+
+template <typename T, int D>
+bool DispatchG(int g, const Params& p, int rows, cudaStream_t stream) {
+  switch (g) {
+    case 1: Launch<T, D, 1>(p, rows, stream); return true;
+    case 2: Launch<T, D, 2>(p, rows, stream); return true;
+    case 3: Launch<T, D, 3>(p, rows, stream); return true;
+    case 4: Launch<T, D, 4>(p, rows, stream); return true;
+    case 5: Launch<T, D, 5>(p, rows, stream); return true;
+    case 6: Launch<T, D, 6>(p, rows, stream); return true;
+    case 7: Launch<T, D, 7>(p, rows, stream); return true;
+    case 8: Launch<T, D, 8>(p, rows, stream); return true;
+  }
+  return false;
+}
+
+template <typename T>
+bool DispatchD(int d, int g, const Params& p, int rows, cudaStream_t stream) {
+  switch (d) {
+    case 64: return DispatchG<T, 64>(g, p, rows, stream);
+    case 128: return DispatchG<T, 128>(g, p, rows, stream);
+  }
+  return false;
+}
+
+ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
+                            ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale,
+                            float v_scale, float softmax_scale, int32_t page) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions(), rd = row_tokens.dimensions();
+  if (qd.size() != 3) return Invalid("q must be [tokens, heads, head_dim], got " + Dims(qd));
+  if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
+  if (v.dimensions().size() != 3 || v.dimensions()[0] != kd[0] || v.dimensions()[1] != kd[1] ||
+      v.dimensions()[2] != kd[2]) {
+    return Invalid("v must have k's shape " + Dims(kd) + ", got " + Dims(v.dimensions()));
+  }
+  if (k.element_type() != v.element_type()) return Invalid("k and v must have one dtype");
+  const int64_t tokens = qd[0], heads = qd[1], d = qd[2], kv_heads = kd[1];
+  if (kd[2] != d) return Invalid("head_dim of q " + Dims(qd) + " and k " + Dims(kd) + " differ");
+  if (kv_heads <= 0 || heads % kv_heads != 0) {
+    return Invalid("heads (" + std::to_string(heads) + ") must be a multiple of kv_heads (" +
+                   std::to_string(kv_heads) + ")");
+  }
+  if (page <= 0 || kd[0] % page != 0) {
+    return Invalid("page_size " + std::to_string(page) + " must divide the pool's slots " + std::to_string(kd[0]));
+  }
+  if (td.size() != 2) return Invalid("block_tables must be [rows, pages], got " + Dims(td));
+  if (rd.size() != 2 || rd[0] != td[0]) {
+    return Invalid("row_tokens must be [" + std::to_string(td[0]) + ", row_width], got " + Dims(rd));
+  }
+  if (positions.dimensions().size() != 1 || positions.dimensions()[0] != tokens) {
+    return Invalid("positions must be [" + std::to_string(tokens) + "], got " + Dims(positions.dimensions()));
+  }
+  const int64_t rows = td[0], row_width = rd[1];
+  const auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != rows || od[1] != row_width || od[2] != heads || od[3] != d) {
+    return Invalid("out must be [rows, row_width, heads, head_dim], got " + Dims(od));
+  }
+  if (rows > 65535 || kv_heads > 65535) return Invalid("rows and kv_heads must be at most 65535");
+  if (rows == 0 || row_width == 0) return ffi::Error::Success();
+
+  Params p;
+  p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
+  p.tables = tables.typed_data(), p.row_tokens = row_tokens.typed_data(), p.positions = positions.typed_data();
+  p.out = out->typed_data();
+  p.tokens = static_cast<int>(tokens), p.kv_heads = static_cast<int>(kv_heads);
+  p.table_width = static_cast<int>(td[1]), p.row_width = static_cast<int>(row_width), p.page = page;
+  p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
+  const bool fp8 = k.element_type() == ffi::DataType::F8E4M3FN;
+  p.score_scale = softmax_scale * (fp8 ? k_scale : 1.f) * kLog2e;
+  p.v_scale = fp8 ? v_scale : 1.f;
+
+  const int64_t g = heads / kv_heads;
+  bool launched = false;
+  switch (k.element_type()) {
+    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, rows, stream); break;
+    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, rows, stream); break;
+    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, rows, stream); break;
+    default: return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
+  }
+  if (!launched) {
+    return Invalid("compiled for head_dim 64 or 128 and 1..8 query heads per kv head; got head_dim " +
+                   std::to_string(d) + ", " + std::to_string(g) + " per kv head");
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+// Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
+// element the kernel fails to write shows.
+ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
+                                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> /*out_init*/,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale,
+                                    float softmax_scale, int32_t page) {
+  return PagedPrefillCuda(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page);
+}
+
+template <typename Binding>
+auto BindResultsAndAttrs(Binding b) {
+  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("k_scale")
+      .template Attr<float>("v_scale")
+      .template Attr<float>("softmax_scale")
+      .template Attr<int32_t>("page_size");
+}
+
+auto BindOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+      .Arg<ffi::AnyBuffer>()          // key pool [slots, KV, D]
+      .Arg<ffi::AnyBuffer>()          // value pool
+      .Arg<ffi::Buffer<ffi::S32>>()   // block tables [R, W]
+      .Arg<ffi::Buffer<ffi::S32>>()   // row tokens [R, Wq]
+      .Arg<ffi::Buffer<ffi::S32>>();  // positions [T]
+}
+
+}  // namespace
+}  // namespace modelopt_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCuda, modelopt_jax::cuda::PagedPrefillCuda,
+                              modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCudaPoisoned, modelopt_jax::cuda::PagedPrefillCudaPoisoned,
+                              modelopt_jax::cuda::BindResultsAndAttrs(
+                                  modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
