@@ -4,7 +4,8 @@ side by side in one process (H200; not a test).
     python bench/attention.py [--json out.json]
 
 Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages; ``kernel`` the
-cp.async-staged kernel the engine runs, ``kernel_reg`` the register kernel it replaced), the XLA path the
+tensor-core ("mma") kernel the engine runs for bf16 compute, ``kernel_staged`` the cp.async-staged
+CUDA-core kernel, ``kernel_reg`` the register kernel before it), the XLA path the
 engine runs without it (``backend="xla"``: gather the rows' pages, two einsums), and jax's Pallas GPU
 ``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
 over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
@@ -66,13 +67,14 @@ def kernel_only_seconds(fn, xs, ws) -> float:
     return ns / 1e9 / len(ws)
 
 
-def register_kernel(*args):
-    """``ours`` through the register kernel (the flag is read when the call is traced)."""
-    attention.KERNEL_STAGED = False
+def with_kernel(variant, *args):
+    """``ours`` through another decode kernel (the setting is read when the call is traced)."""
+    before = attention.DECODE_KERNEL
+    attention.DECODE_KERNEL = variant
     try:
         return ours(*args)
     finally:
-        attention.KERNEL_STAGED = True
+        attention.DECODE_KERNEL = before
 
 
 def main():
@@ -88,7 +90,8 @@ def main():
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
             kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
             peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
-                     "kernel_reg": lambda x, w: register_kernel(x, w, tables, positions, "kernel", name == "fp8"),
+                     "kernel_staged": lambda x, w: with_kernel("staged", x, w, tables, positions, "kernel", name == "fp8"),
+                     "kernel_reg": lambda x, w: with_kernel("register", x, w, tables, positions, "kernel", name == "fp8"),
                      "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
             if name == "bf16":
                 # pallas pages are [KV, pages, page, D]: transposed outside the timed program

@@ -211,14 +211,14 @@ def main():
                          "e.g. max_num_seqs=512,prefill_wait_steps=0")
     ap.add_argument("--profile", action="store_true",
                     help="after the workloads, the GPU kernels of (a)'s decode and prompt steps (CUPTI)")
-    ap.add_argument("--attention-kernel", choices=["staged", "register"], default="staged",
-                    help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.KERNEL_STAGED)")
+    ap.add_argument("--attention-kernel", choices=["mma", "staged", "register"], default="mma",
+                    help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
                     help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")
     args = ap.parse_args()
     from modelopt_jax.ops import attention
 
-    attention.KERNEL_STAGED = args.attention_kernel == "staged"
+    attention.DECODE_KERNEL = args.attention_kernel
     attention.PREFILL_KERNEL = args.prefill_kernel == "on"
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)

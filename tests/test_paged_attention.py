@@ -143,11 +143,13 @@ def test_splits_fill_the_gpu_and_stay_within_the_table():
 @pytest.mark.parametrize("pool_dtype,dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
                                               ("float8_e4m3fn", "bfloat16"), ("float8_e4m3fn", "float32")])
 @pytest.mark.parametrize("shape", [1, 2, 3, 4])
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "register"])
+@pytest.mark.parametrize("variant", ["mma", "staged", "register"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
-def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, staged, monkeypatch):
-    monkeypatch.setattr(attention, "KERNEL_STAGED", staged)  # read when the call is traced
+def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, variant, monkeypatch):
+    monkeypatch.setattr(attention, "DECODE_KERNEL", variant)  # read when the call is traced
+    if variant == "mma" and not attention.tensor_cores_serve(pool_dtype, dtype):
+        assert attention.decode_kernel_variant(pool_dtype, dtype) == "staged"  # float32 compute falls back
     cases = CASES + [(32, 8, 128, 16, [(1024, 1)] * 3 + [(4000, 1), (2, 1)] + MIXED)]  # Llama-3-8B heads
     heads, kv_heads, head_dim, page, rows = cases[shape]
     c = _case(10 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,

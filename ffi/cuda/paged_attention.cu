@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "attention_mma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace modelopt_jax::cuda {
@@ -33,6 +34,7 @@ namespace ffi = xla::ffi;
 constexpr int kWarps = 4;
 constexpr int kChunkPages = 256;  // page ids a CTA stages in shared memory at a time
 constexpr float kFloor = -1e30f;  // running max's start: finite, so exp(floor - floor) is 1, never NaN
+constexpr int kRegisterKernel = 0, kStagedKernel = 1, kMmaKernel = 2;  // the "variant" attribute
 
 struct Params {
   const float* q;          // [T, H, D]
@@ -45,7 +47,7 @@ struct Params {
   float* part_ml;          // [T, KV, S, G, 2]
   int kv_heads, table_width, page, page_shift, splits;  // page_shift: log2(page), or -1
   float q_scale, v_scale;  // softmax scale (x FP8 key scale); FP8 value scale (1 otherwise)
-  bool staged;             // the cp.async-staged kernel (else the register kernel)
+  int variant;             // kRegisterKernel, kStagedKernel or kMmaKernel
 };
 
 // How a lane loads and converts its slice of a key/value row: kElems elements in one load.
@@ -432,6 +434,183 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
   }
 }
 
+// The MMA kernel: a token's G query heads are the rows of m16n8k16 tensor-core MMAs (rows G..15
+// are zeros), so scoring a key and adding its value cost a share of two MMAs instead of G dot
+// products, shuffle reductions and FMAs on the CUDA cores -- the instruction stream that holds the
+// staged kernel near 2.4 TB/s on the H200 (about 50 warp instructions per (token, kv head) at G=4).
+// All 128 threads stream 64-key tiles of K and V into shared memory with cp.async, two tiles deep
+// (positions past the split's end are zero-filled: a value must not be NaN where P is 0); warp w
+// scores keys 16w .. 16w + 15 of each tile and keeps its own online-softmax state, and the warps'
+// states merge at the end as the other kernels merge theirs. Exponentials run in base 2 (the
+// scores carry log2(e)); the split partials are written in natural units for MergeSplitsKernel.
+// The MMAs take bf16 operands (f16 for f16 pages): the engine runs this kernel for bf16 compute.
+constexpr int kMmaKeys = 64;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+template <typename T, int D, int G>
+struct MmaTiles {
+  static constexpr int kRowBytes = D * (int)sizeof(T);
+  static constexpr int kStride = kRowBytes + 16;  // padded rows: conflict-free fragment loads
+  static constexpr int kTileBytes = kMmaKeys * kStride;
+  static constexpr int kPipeBytes = 2 * 2 * kTileBytes;  // two stages of (K, V)
+  static constexpr int kMergeBytes = kWarps * G * D * (int)sizeof(float);
+  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+};
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
+  using M = attention::Mma<T>;
+  using F = attention::Fragments<T>;
+  using S = MmaTiles<T, D, G>;
+  static_assert(G <= 8, "the heads of a token fill MMA rows 0..7");
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gq = lane / 4, tq = lane % 4;  // fragment row (= head, where < G) and column pair
+  const int H = p.kv_heads * G;
+
+  const int length = p.lengths[b];
+  const int seq_pages = (length + p.page - 1) / p.page;
+  const int per_split = (seq_pages + p.splits - 1) / p.splits;
+  const int page_begin = split * per_split;
+  const int page_end = min(seq_pages, page_begin + per_split);
+  const int tok_begin = page_begin * p.page;
+  const int tok_end = min(length, page_end * p.page);
+  const int tiles = tok_end > tok_begin ? (tok_end - tok_begin + kMmaKeys - 1) / kMmaKeys : 0;
+
+  // Q as A fragments: row gq's columns (c, c + 1) and (c + 8, c + 9) of each 16-column k-step;
+  // rows 8..15 (a1, a3) are zeros.
+  uint32_t qa[D / 16][2];
+  const float* qg = gq < G ? p.q + ((size_t)b * H + kvh * G + gq) * D : nullptr;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tq;
+    const float2 x = qg ? *reinterpret_cast<const float2*>(qg + c) : make_float2(0.f, 0.f);
+    const float2 y = qg ? *reinterpret_cast<const float2*>(qg + c + 8) : make_float2(0.f, 0.f);
+    qa[kk][0] = M::pack(x.x, x.y), qa[kk][1] = M::pack(y.x, y.y);
+  }
+  const float scale = p.q_scale * kLog2e;
+  float o[D / 8][2];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = 0.f;
+  float m = kFloor, l = 0.f;  // row gq's running max (base 2) and this lane's share of its sum
+
+  const unsigned char* kbase = static_cast<const unsigned char*>(p.k) + (size_t)kvh * S::kRowBytes;
+  const unsigned char* vbase = static_cast<const unsigned char*>(p.v) + (size_t)kvh * S::kRowBytes;
+  const size_t slot_bytes = (size_t)p.kv_heads * S::kRowBytes;
+  const int32_t* table = p.tables + (size_t)b * p.table_width;
+
+  auto issue = [&](int tile) {
+    if (tile < tiles) {
+      unsigned char* stage = smem + (tile & 1) * 2 * S::kTileBytes;
+      constexpr int kChunks = S::kRowBytes / 16;
+      for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kWarps * 32) {
+        const int key = c / kChunks, part = c % kChunks;
+        const int pos = tok_begin + tile * kMmaKeys + key;
+        const bool valid = pos < tok_end;
+        size_t offset = part * 16;
+        if (valid) {
+          const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page;
+          offset += ((size_t)table[pg] * p.page + (pos - pg * p.page)) * slot_bytes;
+        }
+        attention::CopyAsync16(stage + key * S::kStride + part * 16, kbase + offset, valid);
+        attention::CopyAsync16(stage + S::kTileBytes + key * S::kStride + part * 16, vbase + offset, valid);
+      }
+    }
+    attention::CommitAsync();  // an empty group past the last tile keeps the wait count uniform
+  };
+
+  issue(0);
+  for (int tile = 0; tile < tiles; ++tile) {
+    issue(tile + 1);
+    attention::WaitAsync<1>();  // this thread's copies of `tile` have landed...
+    __syncthreads();            // ...and everyone's
+    const unsigned char* ks = smem + (tile & 1) * 2 * S::kTileBytes;
+    const unsigned char* vs = ks + S::kTileBytes;
+    const int key0 = warp * 16;
+    float sc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t a[4] = {qa[kk][0], 0u, qa[kk][1], 0u};
+        const int row = key0 + j * 8 + gq, col = kk * 16 + 2 * tq;
+        M::run(sc[j], a, F::KeyPair(ks, S::kStride, row, col), F::KeyPair(ks, S::kStride, row, col + 8));
+      }
+    }
+    const int first = tok_begin + tile * kMmaKeys + key0 + 2 * tq;  // position of sc[0][0]
+    float mx = kFloor;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sc[j][e] = first + j * 8 + e < tok_end ? sc[j][e] * scale : -INFINITY;
+        mx = fmaxf(mx, sc[j][e]);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float next = fmaxf(m, mx), corr = exp2f(m - next);
+    m = next;
+    l *= corr;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] *= corr, o[n][1] *= corr;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      sc[j][0] = exp2f(sc[j][0] - m), sc[j][1] = exp2f(sc[j][1] - m);
+      l += sc[j][0] + sc[j][1];
+    }
+    // O += P V over the warp's 16 keys: one k-step; P's A fragment is the two score n-tiles.
+    const uint32_t pa[4] = {M::pack(sc[0][0], sc[0][1]), 0u, M::pack(sc[1][0], sc[1][1]), 0u};
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      float c[4] = {o[n][0], o[n][1], 0.f, 0.f};
+      const int row = key0 + 2 * tq, col = n * 8 + gq;
+      M::run(c, pa, F::ValuePair(vs, S::kStride, row, col), F::ValuePair(vs, S::kStride, row + 8, col));
+      o[n][0] = c[0], o[n][1] = c[1];
+    }
+    __syncthreads();  // the stage is read: the next issue may overwrite it
+  }
+  attention::WaitAsync<0>();  // only empty groups remain
+
+  // Merge the 4 warps' states (rows gq < G) in the drained pipeline's memory.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __shared__ float sm_m[kWarps][G], sm_l[kWarps][G];
+  float* sm_o = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
+  __syncthreads();
+  if (gq < G) {
+    if (tq == 0) sm_m[warp][gq] = m, sm_l[warp][gq] = l;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      float* dst = sm_o + ((size_t)warp * G + gq) * D + n * 8 + 2 * tq;
+      dst[0] = o[n][0], dst[1] = o[n][1];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
+    const int g = idx / D, d = idx % D;
+    float mx = kFloor;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lsum = 0.f, acc = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = exp2f(sm_m[w][g] - mx);
+      lsum += sm_l[w][g] * c;
+      acc += sm_o[((size_t)w * G + g) * D + d] * c;
+    }
+    acc *= p.v_scale;
+    if (p.splits == 1) {
+      p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? acc / lsum : 0.f;
+    } else {
+      const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
+      p.part_o[part * D + d] = acc;
+      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx * kLn2 : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
+    }
+  }
+}
+
 // grid (B, KV * G), D threads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
 __global__ void MergeSplitsKernel(Params p, int G, int D) {
   const int b = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
@@ -458,7 +637,11 @@ ffi::Error Invalid(const std::string& what) {
 template <typename T, int D, int G>
 void Launch(const Params& p, int batch, cudaStream_t stream) {
   dim3 grid(p.splits, p.kv_heads, batch);
-  if (p.staged) {
+  if (p.variant == kMmaKernel) {
+    constexpr int kSmem = MmaTiles<T, D, G>::kSmemBytes;
+    cudaFuncSetAttribute(PagedDecodeMmaKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    PagedDecodeMmaKernel<T, D, G><<<grid, kWarps * 32, kSmem, stream>>>(p);
+  } else if (p.variant == kStagedKernel) {
     constexpr int kSmem = Staging<T, D, G>::kSmemBytes;
     // Above 48 KB a kernel must opt in to dynamic shared memory (once per instantiation is enough;
     // the call is cheap and idempotent, so it is made per launch rather than guarded by a flag).
@@ -504,7 +687,7 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                            ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                           float softmax_scale, int32_t page, int32_t staged) {
+                           float softmax_scale, int32_t page, int32_t variant) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
   if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
@@ -549,7 +732,10 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
   p.q_scale = softmax_scale * (fp8 ? k_scale : 1.f);
   p.v_scale = fp8 ? v_scale : 1.f;
   p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
-  p.staged = staged != 0;
+  if (variant < kRegisterKernel || variant > kMmaKernel) {
+    return Invalid("variant must be 0 (register), 1 (staged) or 2 (mma), got " + std::to_string(variant));
+  }
+  p.variant = variant;
 
   bool launched = false;
   switch (k.element_type()) {
@@ -575,9 +761,9 @@ ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q,
                                    ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
                                    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                                    ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                                   float softmax_scale, int32_t page, int32_t staged) {
+                                   float softmax_scale, int32_t page, int32_t variant) {
   return PagedDecodeCuda(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale,
-                         page, staged);
+                         page, variant);
 }
 
 template <typename Binding>
@@ -589,7 +775,7 @@ auto BindResultsAndAttrs(Binding b) {
       .template Attr<float>("v_scale")
       .template Attr<float>("softmax_scale")
       .template Attr<int32_t>("page_size")
-      .template Attr<int32_t>("staged");
+      .template Attr<int32_t>("variant");
 }
 
 auto BindOperands() {

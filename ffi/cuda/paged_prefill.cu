@@ -28,12 +28,17 @@
 #include <type_traits>
 #include <utility>
 
+#include "attention_mma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace modelopt_jax::cuda {
 namespace {
 
 namespace ffi = xla::ffi;
+using attention::CommitAsync;
+using attention::CopyAsync16;
+using attention::Mma;
+using attention::WaitAllAsync;
 
 constexpr int kWarps = 4;
 constexpr int kRows = kWarps * 16;  // query rows (token, head) per CTA: 16 per warp (one MMA's M)
@@ -54,46 +59,6 @@ struct Params {
   float score_scale;          // softmax scale x FP8 key scale x log2(e)
   float v_scale;              // FP8 value scale (1 otherwise)
 };
-
-// The MMA's element type for a pool type: f16 pages run f16 MMAs, bf16 and FP8 pages bf16 ones.
-template <typename T>
-struct Mma {
-  using Elem = __nv_bfloat16;
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <>
-struct Mma<__half> {
-  using Elem = __half;
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void CommitAsync() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void WaitAllAsync() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Fills one [kKeys][D + kPad] tile of keys (or values) for positions tile0 .. tile0 + kKeys - 1
 // of the row; positions at or past kv_len are zeros (their values must not be NaN: P is 0 there).

@@ -23,7 +23,11 @@ KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUP = 8
 KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-KERNEL_STAGED = True  # the cp.async-staged kernel (False: the register kernel; bench/attention.py times both)
+# Which CUDA decode kernel runs: "mma" (tensor cores; it serves bf16 compute, and f16 over f16
+# pages -- anything else runs "staged"), "staged" (cp.async-staged CUDA-core kernel) or "register".
+# Read when a call is traced; bench/attention.py times all three.
+DECODE_KERNEL = "mma"
+_DECODE_VARIANTS = {"register": 0, "staged": 1, "mma": 2}  # the FFI attribute "variant"
 PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
@@ -106,15 +110,31 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype)
             and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
 
 
+def tensor_cores_serve(pool_dtype, dtype) -> bool:
+    """Whether the tensor-core kernels (prefill, and the "mma" decode kernel) serve this compute
+    dtype: their MMAs take bf16 operands (f16 for f16 pages), so bf16 compute, and f16 compute over
+    f16 pages; float32 compute would be rounded to bf16 and keeps the float32 paths."""
+    pool, compute = jnp.dtype(pool_dtype).name, jnp.dtype(dtype).name
+    return compute == "bfloat16" or (compute == "float16" and pool == "float16")
+
+
 def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
-    """Whether the CUDA prefill kernel is built and serves this shape and compute dtype. Its MMAs
-    take bf16 operands (f16 for f16 pages), so it serves bf16 compute, and f16 compute over f16
-    pages; float32 compute keeps XLA's path, whose float32 einsums it would not match."""
+    """Whether the CUDA prefill kernel is built and serves this shape and compute dtype (see
+    :func:`tensor_cores_serve`; float32 compute keeps XLA's path, whose float32 einsums it would not match)."""
     from modelopt_jax.ops import native
 
-    pool, compute = jnp.dtype(pool_dtype).name, jnp.dtype(dtype).name
-    return (PREFILL_KERNEL and native.has_paged_prefill_kernel() and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype)
-            and (compute == "bfloat16" or (compute == "float16" and pool == "float16")))
+    return (PREFILL_KERNEL and native.has_paged_prefill_kernel()
+            and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype) and tensor_cores_serve(pool_dtype, dtype))
+
+
+def decode_kernel_variant(pool_dtype, dtype) -> str:
+    """The decode kernel :data:`DECODE_KERNEL` asks for, "mma" falling back to "staged" where the
+    tensor cores do not serve the dtypes."""
+    if DECODE_KERNEL not in _DECODE_VARIANTS:
+        raise ValueError(f"DECODE_KERNEL={DECODE_KERNEL!r}: choose one of {', '.join(_DECODE_VARIANTS)}")
+    if DECODE_KERNEL == "mma" and not tensor_cores_serve(pool_dtype, dtype):
+        return "staged"
+    return DECODE_KERNEL
 
 
 def _kernel_qualifies(q, k_pool, dtype) -> bool:
@@ -162,7 +182,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
                      k_scale=np.float32(1.0 if k_scale is None else k_scale),
                      v_scale=np.float32(1.0 if v_scale is None else v_scale),
                      softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
-                     staged=np.int32(KERNEL_STAGED))
+                     variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(k_pool.dtype, dtype)]))
     return out.reshape(t, h * d).astype(dtype)
 
 
