@@ -5,7 +5,7 @@ side by side in one process (H200; not a test).
 
 Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages; ``kernel`` the
 tensor-core ("mma") kernel the engine runs for bf16 compute, ``kernel_staged`` the cp.async-staged
-CUDA-core kernel, ``kernel_reg`` the register kernel before it), the XLA path the
+CUDA-core kernel that serves float32 compute), the XLA path the
 engine runs without it (``backend="xla"``: gather the rows' pages, two einsums), and jax's Pallas GPU
 ``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
 over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
@@ -91,7 +91,6 @@ def main():
             kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
             peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
                      "kernel_staged": lambda x, w: with_kernel("staged", x, w, tables, positions, "kernel", name == "fp8"),
-                     "kernel_reg": lambda x, w: with_kernel("register", x, w, tables, positions, "kernel", name == "fp8"),
                      "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
             if name == "bf16":
                 # pallas pages are [KV, pages, page, D]: transposed outside the timed program

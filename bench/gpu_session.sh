@@ -3,7 +3,7 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
-#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [register|staged] [noprefill] [engine K=V[,K=V]]...]
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent.
@@ -80,10 +80,10 @@ print('memcheck sample done')
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps)
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = register ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
-        [ "$1" = profile ] && extra+=(--profile); [ "$1" = register ] && extra+=(--attention-kernel register); [ "$1" = staged ] && extra+=(--attention-kernel staged)
+        [ "$1" = profile ] && extra+=(--profile); [ "$1" = staged ] && extra+=(--attention-kernel staged)
         [ "$1" = noprefill ] && extra+=(--prefill-kernel off)
         tag+="_$1"; shift
       done

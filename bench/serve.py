@@ -211,7 +211,7 @@ def main():
                          "e.g. max_num_seqs=512,prefill_wait_steps=0")
     ap.add_argument("--profile", action="store_true",
                     help="after the workloads, the GPU kernels of (a)'s decode and prompt steps (CUPTI)")
-    ap.add_argument("--attention-kernel", choices=["mma", "staged", "register"], default="mma",
+    ap.add_argument("--attention-kernel", choices=["mma", "staged"], default="mma",
                     help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
                     help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")

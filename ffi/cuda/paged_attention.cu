@@ -34,7 +34,7 @@ namespace ffi = xla::ffi;
 constexpr int kWarps = 4;
 constexpr int kChunkPages = 256;  // page ids a CTA stages in shared memory at a time
 constexpr float kFloor = -1e30f;  // running max's start: finite, so exp(floor - floor) is 1, never NaN
-constexpr int kRegisterKernel = 0, kStagedKernel = 1, kMmaKernel = 2;  // the "variant" attribute
+constexpr int kStagedKernel = 1, kMmaKernel = 2;  // the "variant" attribute (0 was a register kernel, removed)
 
 struct Params {
   const float* q;          // [T, H, D]
@@ -47,7 +47,7 @@ struct Params {
   float* part_ml;          // [T, KV, S, G, 2]
   int kv_heads, table_width, page, page_shift, splits;  // page_shift: log2(page), or -1
   float q_scale, v_scale;  // softmax scale (x FP8 key scale); FP8 value scale (1 otherwise)
-  int variant;             // kRegisterKernel, kStagedKernel or kMmaKernel
+  int variant;             // kStagedKernel or kMmaKernel
 };
 
 // How a lane loads and converts its slice of a key/value row: kElems elements in one load.
@@ -100,152 +100,15 @@ __host__ __device__ constexpr int ElemsPerLane() { return sizeof(T) == 1 && G <=
 template <int G>
 __host__ __device__ constexpr int UnrollFor() { return G <= 4 ? 8 : 4; }
 
-// grid (splits, KV, T), kWarps warps. Lanes come in groups of kLanes (= D / kElems) that together
-// hold one token's row; a warp covers 32 / kLanes tokens per load and issues kUnroll such loads of
-// keys and values before using them. Softmax state is rescaled once per kUnroll tokens.
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32) PagedDecodeKernel(Params p) {
-  constexpr int kElems = ElemsPerLane<T, G>();
-  constexpr int kUnroll = UnrollFor<G>();
-  constexpr int kLanes = D / kElems;
-  constexpr int kTokensPerLoad = 32 / kLanes;
-  constexpr int kGroups = kWarps * kTokensPerLoad;  // independent (m, l, acc) states per CTA
-  using R = Row<T, kElems>;
-  using Raw = typename R::Raw;
-
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int sub = lane / kLanes, col = (lane % kLanes) * kElems;
-  const int group = warp * kTokensPerLoad + sub;
-  const int H = p.kv_heads * G;
-
-  const int length = p.lengths[b];
-  const int seq_pages = (length + p.page - 1) / p.page;
-  const int per_split = (seq_pages + p.splits - 1) / p.splits;
-  const int page_begin = split * per_split;
-  const int page_end = min(seq_pages, page_begin + per_split);
-
-  float q[G][kElems];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const float* qg = p.q + ((size_t)b * H + kvh * G + g) * D + col;
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) q[g][i] = qg[i] * p.q_scale;
-  }
-  float m[G], l[G], acc[G][kElems];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = kFloor, l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) acc[g][i] = 0.f;
-  }
-
-  const T* kbase = static_cast<const T*>(p.k) + (size_t)kvh * D + col;
-  const T* vbase = static_cast<const T*>(p.v) + (size_t)kvh * D + col;
-  const size_t row_stride = (size_t)p.kv_heads * D;
-  const int32_t* table = p.tables + (size_t)b * p.table_width;
-  constexpr int kStep = kWarps * kTokensPerLoad * kUnroll;
-  __shared__ int32_t sm_pages[kChunkPages];
-
-  for (int chunk = page_begin; chunk < page_end; chunk += kChunkPages) {
-    const int chunk_pages = min(kChunkPages, page_end - chunk);
-    __syncthreads();
-    for (int i = threadIdx.x; i < chunk_pages; i += kWarps * 32) sm_pages[i] = table[chunk + i];
-    __syncthreads();
-    const int tok_begin = chunk * p.page;
-    const int tok_end = min(length, (chunk + chunk_pages) * p.page);
-    for (int base = tok_begin + warp * kTokensPerLoad * kUnroll; base < tok_end; base += kStep) {
-      Raw kr[kUnroll], vr[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = base + u * kTokensPerLoad + sub;
-        if (t < tok_end) {
-          const int rel = t - tok_begin;
-          const int pg = p.page_shift >= 0 ? rel >> p.page_shift : rel / p.page;
-          const size_t slot = (size_t)sm_pages[pg] * p.page + (rel - pg * p.page);
-          kr[u] = *reinterpret_cast<const Raw*>(kbase + slot * row_stride);
-          vr[u] = *reinterpret_cast<const Raw*>(vbase + slot * row_stride);
-        }
-      }
-      float s[kUnroll][G];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const bool valid = base + u * kTokensPerLoad + sub < tok_end;
-        float kf[kElems];
-        R::to_float(kr[u], kf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float x = 0.f;
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) x = fmaf(q[g][i], kf[i], x);
-#pragma unroll
-          for (int off = kLanes / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-          s[u][g] = valid ? x : -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float mx = m[g];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) mx = fmaxf(mx, s[u][g]);
-        const float corr = __expf(m[g] - mx);
-        m[g] = mx;
-        l[g] *= corr;
-#pragma unroll
-        for (int i = 0; i < kElems; ++i) acc[g][i] *= corr;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) s[u][g] = __expf(s[u][g] - mx), l[g] += s[u][g];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kTokensPerLoad + sub >= tok_end) continue;  // its weight is 0, its registers unset
-        float vf[kElems];
-        R::to_float(vr[u], vf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
-        }
-      }
-    }
-  }
-
-  // Merge the CTA's kGroups states: each group's (m, l) and its lanes' slices of acc.
-  __shared__ float sm_m[kGroups][G], sm_l[kGroups][G];
-  __shared__ float sm_acc[kGroups][G][D];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane % kLanes == 0) sm_m[group][g] = m[g], sm_l[group][g] = l[g];
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) sm_acc[group][g][col + i] = acc[g][i];
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
-    const int g = idx / D, d = idx % D;
-    float mx = kFloor;
-    for (int j = 0; j < kGroups; ++j) mx = fmaxf(mx, sm_m[j][g]);
-    float lsum = 0.f, o = 0.f;
-    for (int j = 0; j < kGroups; ++j) {
-      const float c = __expf(sm_m[j][g] - mx);
-      lsum += sm_l[j][g] * c;
-      o += sm_acc[j][g][d] * c;
-    }
-    o *= p.v_scale;
-    if (p.splits == 1) {
-      p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? o / lsum : 0.f;
-    } else {
-      const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
-      p.part_o[part * D + d] = o;
-      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
-    }
-  }
-}
-
-// The staged kernel: the register kernel's math, but each warp streams its K/V tiles through
-// shared memory with cp.async, kStages tiles deep, so the bytes in flight no longer sit in registers
-// (the register kernel waits on each tile's loads before it computes: latency-bound, 2.3 TB/s of
-// bf16 and 1.4 TB/s of FP8 pages on the H200 at batch 64). Each lane copies exactly the bytes it
-// later reads back, so a lane's own cp.async.wait_group is the only synchronisation a tile needs.
+// The staged kernel (CUDA cores; it serves float32 compute, which the MMA kernel below would round
+// to bf16). grid (splits, KV, T), kWarps warps. Lanes come in groups of kLanes (= D / kElems) that
+// together hold one token's row; a warp covers 32 / kLanes tokens per load and issues kUnroll such
+// loads of keys and values before using them; softmax state is rescaled once per kUnroll tokens.
+// Each warp streams its K/V tiles through shared memory with cp.async, kStages tiles deep, so the
+// bytes in flight do not sit in registers (a version that loaded into registers waited on each
+// tile before computing: 2.3 TB/s of bf16 pages on the H200 at batch 64, against 2.4-2.8 staged).
+// Each lane copies exactly the bytes it later reads back, so a lane's own cp.async.wait_group is
+// the only synchronisation a tile needs.
 constexpr int kStages = 3;
 
 template <int kBytes>
@@ -316,7 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
   const size_t row_stride = (size_t)p.kv_heads * D;
   const int32_t* table = p.tables + (size_t)b * p.table_width;
   // This warp's stages: [kStages][K, V][kTile * D] elements; a lane's slice of token u * kTokensPerLoad
-  // + sub sits where its register slice would.
+  // + sub is element (u * kTokensPerLoad + sub) * D + col of its stage's K (or V) tile.
   unsigned char* pipe = smem + (size_t)warp * kStages * 2 * S::kTileBytes;
   const int lane_offset = (sub * D + col) * (int)sizeof(T);
   constexpr int kLoadBytes = kTokensPerLoad * D * (int)sizeof(T);  // one u's rows of the tile
@@ -402,7 +265,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
     WaitAsync<0>();  // only empty groups remain; nothing may land after the pipeline is reused
   }
 
-  // Merge the CTA's kGroups states as the register kernel does, in the drained pipeline's memory.
+  // Merge the CTA's kGroups states -- each group's (m, l) and its lanes' slices of acc -- in the
+  // drained pipeline's memory.
   __shared__ float sm_m[kGroups][G], sm_l[kGroups][G];
   float(*sm_acc)[G][D] = reinterpret_cast<float(*)[G][D]>(smem);
   __syncthreads();
@@ -641,14 +505,12 @@ void Launch(const Params& p, int batch, cudaStream_t stream) {
     constexpr int kSmem = MmaTiles<T, D, G>::kSmemBytes;
     cudaFuncSetAttribute(PagedDecodeMmaKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     PagedDecodeMmaKernel<T, D, G><<<grid, kWarps * 32, kSmem, stream>>>(p);
-  } else if (p.variant == kStagedKernel) {
+  } else {
     constexpr int kSmem = Staging<T, D, G>::kSmemBytes;
     // Above 48 KB a kernel must opt in to dynamic shared memory (once per instantiation is enough;
     // the call is cheap and idempotent, so it is made per launch rather than guarded by a flag).
     cudaFuncSetAttribute(PagedDecodeStagedKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     PagedDecodeStagedKernel<T, D, G><<<grid, kWarps * 32, kSmem, stream>>>(p);
-  } else {
-    PagedDecodeKernel<T, D, G><<<grid, kWarps * 32, 0, stream>>>(p);
   }
   if (p.splits > 1) MergeSplitsKernel<<<dim3(batch, p.kv_heads * G), D, 0, stream>>>(p, G, D);
 }
@@ -732,8 +594,8 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
   p.q_scale = softmax_scale * (fp8 ? k_scale : 1.f);
   p.v_scale = fp8 ? v_scale : 1.f;
   p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
-  if (variant < kRegisterKernel || variant > kMmaKernel) {
-    return Invalid("variant must be 0 (register), 1 (staged) or 2 (mma), got " + std::to_string(variant));
+  if (variant != kStagedKernel && variant != kMmaKernel) {
+    return Invalid("variant must be 1 (staged) or 2 (mma), got " + std::to_string(variant));
   }
   p.variant = variant;
 

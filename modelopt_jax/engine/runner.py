@@ -37,7 +37,7 @@ def step_shape(batch: list[tuple[Request, int]], fixed_table_width: int | None,
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): tokens to
     powers of two (at least 16); rows to powers of two (at least 8 in a decode step: a GEMM costs
     the same for M 1..8; prompt steps' rows unpadded, since each costs XLA's prompt attention a
-    [row width x S] block); tokens per row (prompt steps) to powers of two (at least 16); block
+    [row width x S] block, and the prefill kernel a grid row); tokens per row (prompt steps) to powers of two (at least 16); block
     tables to a power of two of pages (at least 8) unless fixed (decode steps that run the decode
     kernel; prompt steps too with ``fixed_prompt_tables``, when the prefill kernel runs them).
     With ``page_size``, a row's pages count those its fed tokens will need (a planned step whose

@@ -1,9 +1,10 @@
 """Continuous batching: which requests run in the next step, and with how many tokens each.
 
 Policy (vLLM's, simplified): a step either prefills or decodes. (Separate steps let each use its
-best attention: the CUDA kernel streams a decode token's pages once; prompt chunks, many queries per
-sequence, go through XLA's batched matmuls. On the H200 a 2048-token prompt step took 121 ms with
-the per-token kernel, see bench/RESULTS.md.)
+best attention: on CUDA the decode kernel streams each token's pages once, the prefill kernel lets
+a chunk's many queries share every key tile -- and elsewhere XLA lays prompt chunks out per row. On
+the H200 a 2048-token prompt step took 121 ms through the per-token decode kernel, see
+bench/RESULTS.md.)
 - Prefill first: requests part-way through their prompt continue, then waiting requests are
   admitted in arrival order while the step's token budget (``max_prefill_tokens``) lasts, the
   running set stays under ``max_num_seqs`` and pages are free (keeping one page of headroom per

@@ -24,10 +24,10 @@ KERNEL_MAX_GROUP = 8
 KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Which CUDA decode kernel runs: "mma" (tensor cores; it serves bf16 compute, and f16 over f16
-# pages -- anything else runs "staged"), "staged" (cp.async-staged CUDA-core kernel) or "register".
-# Read when a call is traced; bench/attention.py times all three.
+# pages -- anything else runs "staged") or "staged" (cp.async-staged CUDA-core kernel). Read when a
+# call is traced; bench/attention.py times both.
 DECODE_KERNEL = "mma"
-_DECODE_VARIANTS = {"register": 0, "staged": 1, "mma": 2}  # the FFI attribute "variant"
+_DECODE_VARIANTS = {"staged": 1, "mma": 2}  # the FFI attribute "variant"
 PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
