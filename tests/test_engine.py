@@ -417,3 +417,46 @@ def test_prompt_longer_than_max_model_len_is_refused_before_any_work(roomy):
     with pytest.raises(ValueError, match="prompt 1 has 300 tokens; max_model_len=256"):
         roomy.generate([[1, 2, 3], [5] * 300], use_tqdm=False)
     assert roomy.engine.pool.free == roomy.engine.pool.num_pages - 1
+
+
+def test_prompt_steps_take_the_fixed_table_width_only_where_the_prefill_kernel_runs():
+    """With the prefill kernel a prompt step's table width costs nothing, so it is fixed (one program
+    fewer per width); without it XLA gathers the whole width, so it stays bucketed to the longest row."""
+    from modelopt_jax.engine.request import Request
+    from modelopt_jax.engine.runner import step_shape
+
+    def request(i, n, computed):
+        r = Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=8),
+                    stop_ids=frozenset(), budget=8, row_key=np.zeros(2, np.uint32))
+        r.computed = computed
+        return r
+
+    pool = PagePool(64, 16)
+    prompt = [(request(0, 40, 0), 40), (request(1, 20, 0), 20)]
+    decode = [(request(2, 30, 30), 1)]
+    for r, n in prompt + decode:
+        assert pool.grow(r.pages, r.computed + n)
+    assert step_shape(prompt, 256, 16) == (64, 2, 8, 64)  # 3 pages, bucketed to the minimum 8
+    assert step_shape(prompt, 256, 16, fixed_prompt_tables=True) == (64, 2, 256, 64)
+    assert step_shape(decode, 256, 16) == step_shape(decode, 256, 16, fixed_prompt_tables=True) == (16, 8, 256, 1)
+    assert step_shape(prompt, None, 16, fixed_prompt_tables=True) == (64, 2, 8, 64)  # nothing to fix it to
+
+
+def test_decode_kernel_variant_follows_the_compute_dtype(monkeypatch):
+    """The tensor-core decode kernel rounds queries to bf16 (f16 over f16 pages), so float32 compute
+    (and f16 compute over other pages) runs the float32 CUDA-core kernel instead."""
+    from modelopt_jax.ops import attention
+
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
+    assert attention.decode_kernel_variant("bfloat16", "bfloat16") == "mma"
+    assert attention.decode_kernel_variant("float8_e4m3fn", "bfloat16") == "mma"
+    assert attention.decode_kernel_variant("float16", "float16") == "mma"
+    assert attention.decode_kernel_variant("float16", "bfloat16") == "mma"
+    assert attention.decode_kernel_variant("bfloat16", "float32") == "staged"
+    assert attention.decode_kernel_variant("float8_e4m3fn", "float32") == "staged"
+    assert attention.decode_kernel_variant("bfloat16", "float16") == "staged"
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "staged")
+    assert attention.decode_kernel_variant("bfloat16", "bfloat16") == "staged"
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "register")  # removed: a clear error, not a silent fallback
+    with pytest.raises(ValueError, match="DECODE_KERNEL"):
+        attention.decode_kernel_variant("bfloat16", "bfloat16")
