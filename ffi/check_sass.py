@@ -3,7 +3,8 @@
 A kernel that compiled but fell back to a slow path would still pass every CPU test; its SASS
 cannot hide it. Every sm_90a cubin that holds a GEMM kernel must issue FP8 warpgroup MMAs
 (``QGMMA...E4M3.E4M3``) fed by TMA loads (``UTMALDG``); every sm_100a cubin must issue
-``UTCQMMA`` (Blackwell FP8 UMMA). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
+``UTCQMMA`` (Blackwell FP8 UMMA). Every instantiation of the tensor-core attention kernels
+(``PagedPrefillKernel``, ``PagedDecodeMmaKernel``) must issue ``HMMA.16816`` (mma.sync m16n8k16). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels, whose bin/ is searched too).
 
     python ffi/check_sass.py [path/to/libmodelopt_jax_ffi_cuda.so]
@@ -40,15 +41,20 @@ def main() -> int:
     if shutil.which("cuobjdump", path=env["PATH"]) is None:
         print("check_sass: cuobjdump not found", file=sys.stderr)
         return 1
-    failures, checked = [], 0
+    failures, checked, attention_kernels = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["cuobjdump", "--extract-elf", "all", os.path.abspath(lib)], cwd=tmp, env=env, check=True,
                        capture_output=True)
         for cubin in sorted(glob.glob(os.path.join(tmp, "*.cubin"))):
             sass = subprocess.run(["cuobjdump", "--dump-sass", cubin], env=env, check=True, capture_output=True,
                                   text=True).stdout
+            for function in sass.split("Function : ")[1:]:
+                if "PagedPrefillKernel" in function or "PagedDecodeMmaKernel" in function:
+                    attention_kernels += 1
+                    if "HMMA.16816.F32" not in function:
+                        failures.append(function.split()[0][:120])
             if "Function : " not in sass or "GemmUniversal" not in sass and "cutlass" not in sass:
-                continue  # host-side handler or table: no kernels
+                continue  # host-side handler, table or attention kernels: no GEMM kernels
             name = os.path.basename(cubin)
             checked += 1
             if "sm_90a" in name:
@@ -65,10 +71,14 @@ def main() -> int:
     if not checked:
         print("check_sass: no kernel cubins found", file=sys.stderr)
         return 1
-    if failures:
-        print(f"check_sass: no FP8 tensor-core instructions in {failures}", file=sys.stderr)
+    if not attention_kernels:
+        print("check_sass: no tensor-core attention kernels found", file=sys.stderr)
         return 1
-    print(f"check_sass: {checked} kernel cubins use FP8 tensor-core instructions")
+    if failures:
+        print(f"check_sass: no tensor-core instructions in {failures}", file=sys.stderr)
+        return 1
+    print(f"check_sass: {checked} kernel cubins use FP8 tensor-core instructions; "
+          f"{attention_kernels} attention kernels use HMMA")
     return 0
 
 
