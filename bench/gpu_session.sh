@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
-#   bash bench/gpu_session.sh [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
+#   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
-#   if absent.
+#   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
+#   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
@@ -78,8 +79,12 @@ print('memcheck sample done')
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    ckpt-bg) ckpt=$2; shift 2
+      (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', 'llama3-8b')") > "$OUT/ckpt.log" 2>&1 &
+      ckpt_pid=$! ;;
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
-      tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps)
+      tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
+      [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
       while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
@@ -90,6 +95,7 @@ print('memcheck sample done')
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;
     serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
+      [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset llama3-8b \
         --json "$OUT/serve_http.json" --server-log "$OUT/serve_http_server.log" "${args[@]}" \
         2>&1 | tee "$OUT/serve_http.log" | tail -30 ;;
