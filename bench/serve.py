@@ -44,7 +44,8 @@ def write_preset(checkpoint: str, preset: str) -> None:
     from modelopt_jax.synthetic import write_checkpoint
 
     t = time.perf_counter()
-    write_checkpoint(checkpoint, family="llama", max_shard_bytes=5 << 30, **PRESETS[preset])
+    write_checkpoint(checkpoint, family="llama", max_shard_bytes=5 << 30, workers=os.cpu_count() or 1,
+                     **PRESETS[preset])
     print(f"wrote {checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
 
 

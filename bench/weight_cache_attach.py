@@ -109,7 +109,8 @@ def main():
         from modelopt_jax.synthetic import write_checkpoint
 
         t0 = time.perf_counter()
-        write_checkpoint(ckpt, family="llama", max_shard_bytes=5 << 30, **PRESETS[args.write_preset])
+        write_checkpoint(ckpt, family="llama", max_shard_bytes=5 << 30, workers=os.cpu_count() or 1,
+                         **PRESETS[args.write_preset])
         report["write_s"] = time.perf_counter() - t0
         print(f"wrote {args.write_preset} checkpoint in {report['write_s']:.1f} s", flush=True)
     env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform", "PYTHONPATH": REPO}

@@ -26,6 +26,7 @@ error of a small, cancelled sum is large relative to the value, and the accepted
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -164,6 +165,22 @@ def test_content_is_deterministic_and_chunking_independent(tmp_path, monkeypatch
         assert ia.read(name).tobytes() == ib.read(name).tobytes(), name
     up = "model.layers.0.mlp.up_proj.weight"
     assert ia.read(up).tobytes() != ic.read(up).tobytes()
+
+
+def test_parallel_write_is_byte_identical(tmp_path):
+    """Workers fill the header's byte ranges of a file they share: every file (shards, index, configs)
+    must equal the serial write's, byte for byte."""
+    kw = dict(TINY, kv_cache_fp8=True, max_shard_bytes=30_000, seed=5)
+    serial = synthetic.write_checkpoint(tmp_path / "serial", **kw)
+    parallel = synthetic.write_checkpoint(tmp_path / "parallel", **kw, workers=2)
+    assert len(serial.files) > 1 and serial == dataclasses.replace(parallel, directory=serial.directory)
+    names = sorted(os.listdir(tmp_path / "serial"))
+    assert names == sorted(os.listdir(tmp_path / "parallel"))
+    for name in names:
+        assert (tmp_path / "serial" / name).read_bytes() == (tmp_path / "parallel" / name).read_bytes(), name
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="workers"):
+            synthetic.write_checkpoint(tmp_path / "bad", **TINY, workers=bad)
 
 
 def test_values_are_realistic(tmp_path):
