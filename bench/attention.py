@@ -77,10 +77,41 @@ def with_kernel(variant, *args):
         attention.DECODE_KERNEL = before
 
 
+def sweep_splits(splits: list[int]) -> list[dict]:
+    """The decode kernel's GPU time (CUPTI) per shape, pool dtype and CTAs per (token, kv head), the
+    heuristic's choice beside: what kernel_splits should pick."""
+    rows = []
+    print("# decode kernel (mma / staged for fp32) GPU us per call by splits; * = kernel_splits' choice")
+    for batch, context in SHAPES:
+        for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+            q, pools, tables, positions = make(batch, context, dtype, batch + context)
+            auto = attention.kernel_splits(batch, KV, tables.shape[1], attention._sm_count())
+            line = {"batch": batch, "context": context, "pages": name, "auto": auto}
+            for n in splits:
+                attention.DECODE_SPLITS = n
+                try:
+                    fn = lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8")  # noqa: E731
+                    line[n] = kernel_only_seconds(fn, [q] * len(pools), pools) * 1e6
+                finally:
+                    attention.DECODE_SPLITS = None
+            rows.append(line)
+            cells = " ".join(f"{n}{'*' if n == auto else ''}:{line[n]:.0f}" for n in splits)
+            print(f"batch {batch:4d} x {context:5d} {name}: {cells}", flush=True)
+            del pools
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--splits", help="comma-separated splits to sweep (only the sweep runs)")
     args = ap.parse_args()
+    if args.splits:
+        rows = sweep_splits([int(x) for x in args.splits.split(",")])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; one layer: {HEADS} heads, {KV} kv heads, d {D}, "
           f"page {PAGE}; us per call (TB/s of the KV bytes in use)")
     rows = []

@@ -2,12 +2,15 @@
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
-#                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench]
+#                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
 #   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
+# serve ... profile: the CUPTI kernel tables of the workloads in PROFILE_WORKLOADS (default a; b256: 256 rows
+#   of 700 tokens, (b)'s steady state).
+# attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
@@ -79,6 +82,9 @@ print('memcheck sample done')
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    attn-splits) shift
+      python3 bench/attention.py --splits 1,2,3,4,6,8 --json "$OUT/attention_splits.json" 2>&1 \
+        | tee "$OUT/attention_splits.log" | tail -20 ;;
     ckpt-bg) ckpt=$2; shift 2
       (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', 'llama3-8b')") > "$OUT/ckpt.log" 2>&1 &
       ckpt_pid=$! ;;
@@ -88,7 +94,7 @@ print('memcheck sample done')
       while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
-        [ "$1" = profile ] && extra+=(--profile); [ "$1" = staged ] && extra+=(--attention-kernel staged)
+        [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention-kernel staged)
         [ "$1" = noprefill ] && extra+=(--prefill-kernel off)
         tag+="_$1"; shift
       done

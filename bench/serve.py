@@ -57,6 +57,9 @@ def workload(name: str, vocab: int):
     if name == "b":
         prompts = [rng.integers(10, vocab, int(rng.integers(64, 1025))).tolist() for _ in range(1000)]
         return prompts, [SamplingParams(max_tokens=int(rng.integers(32, 513)), ignore_eos=True) for _ in prompts]
+    if name == "b256":  # (b)'s steady state for --profile: 256 rows of ~700 tokens (its mean context)
+        prompts = [rng.integers(10, vocab, 700).tolist() for _ in range(256)]
+        return prompts, [SamplingParams(max_tokens=128, ignore_eos=True)] * 256
     raise ValueError(name)
 
 
@@ -125,8 +128,8 @@ def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int =
     return runs[-1]
 
 
-def profile_a(llm, vocab: int, new: int = 34, top: int = 18) -> dict:
-    """Where a step of workload (a) spends its GPU time: (a)'s prompts traced twice under CUPTI, with
+def profile_a(llm, vocab: int, new: int = 34, top: int = 18, workload_name: str = "a") -> dict:
+    """Where a step of workload (a) (or ``workload_name``) spends its GPU time: its prompts traced twice under CUPTI, with
     2 and ``new`` tokens to generate; the difference of the two kernel tables is ``new - 2`` decode
     steps alone (the prompt steps and the first decode step cancel), the short run is the prompt
     steps. Reports GPU busy time per decode step against the wall time per step (the gap is host
@@ -134,7 +137,7 @@ def profile_a(llm, vocab: int, new: int = 34, top: int = 18) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import kernel_times
 
-    prompts, _ = workload("a", vocab)
+    prompts, _ = workload(workload_name, vocab)
     tables, walls = [], []
     for n in (2, new):
         p = SamplingParams(max_tokens=n, ignore_eos=True)
@@ -154,7 +157,7 @@ def profile_a(llm, vocab: int, new: int = 34, top: int = 18) -> dict:
            "decode_launches_per_step": sum(decode_launches.values()),
            "prompt_gpu_busy_s": sum(prompt.values()) / 1e9, "prompt_wall_s": walls[0]["prefill_s"],
            "prompt_kernels_ms": {k: prompt[k] / 1e6 for k in sorted(prompt, key=prompt.get, reverse=True)[:60]}}
-    print(f"(a) profile: decode step {out['decode_wall_ms']:.2f} ms wall, GPU busy {out['decode_gpu_busy_ms']:.2f} ms, "
+    print(f"({workload_name}) profile: decode step {out['decode_wall_ms']:.2f} ms wall, GPU busy {out['decode_gpu_busy_ms']:.2f} ms, "
           f"{out['decode_launches_per_step']:.0f} kernels/step; prompt steps {out['prompt_wall_s']:.2f} s wall, "
           f"GPU busy {out['prompt_gpu_busy_s']:.2f} s", flush=True)
     for k, us in list(out["decode_kernels_us_per_step"].items())[:top]:
@@ -210,8 +213,9 @@ def main():
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
                     help="after the workloads, run (b) again under these EngineConfig changes (repeatable), "
                          "e.g. max_num_seqs=512,prefill_wait_steps=0")
-    ap.add_argument("--profile", action="store_true",
-                    help="after the workloads, the GPU kernels of (a)'s decode and prompt steps (CUPTI)")
+    ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
+                    help="after the workloads, the GPU kernels of these workloads' decode and prompt steps "
+                         "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state)")
     ap.add_argument("--attention-kernel", choices=["mma", "staged"], default="mma",
                     help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
@@ -274,8 +278,8 @@ def main():
                  if name == "a" and static else ""), flush=True)
     for variant in args.engine:
         report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant)
-    if args.profile:
-        report["profile_a"] = profile_a(llm, model.config.vocab_size)
+    for name in (args.profile.split(",") if args.profile else []):
+        report[f"profile_{name}"] = profile_a(llm, model.config.vocab_size, workload_name=name)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "

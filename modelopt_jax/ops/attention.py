@@ -29,6 +29,7 @@ KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_KERNEL = "mma"
 _DECODE_VARIANTS = {"staged": 1, "mma": 2}  # the FFI attribute "variant"
 PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
+DECODE_SPLITS: int | None = None  # CTAs per (token, kv head) of the decode kernel; None: kernel_splits (sweeps)
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
 
@@ -169,6 +170,8 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
     # gather in every layer, which XLA computes once).
     tables = block_tables[token_rows]
     splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count())
+    if DECODE_SPLITS is not None:
+        splits = int(max(1, min(DECODE_SPLITS, block_tables.shape[1])))
     out_types = (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
                  jax.ShapeDtypeStruct((t, kv, splits, g, d), jnp.float32),
                  jax.ShapeDtypeStruct((t, kv, splits, g, 2), jnp.float32))
