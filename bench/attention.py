@@ -85,7 +85,8 @@ def sweep_splits(splits: list[int]) -> list[dict]:
     for batch, context in SHAPES:
         for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
-            auto = attention.kernel_splits(batch, KV, tables.shape[1], attention._sm_count())
+            auto = attention.kernel_splits(batch, KV, tables.shape[1], attention._sm_count(),
+                                          jnp.dtype(dtype).itemsize)
             line = {"batch": batch, "context": context, "pages": name, "auto": auto}
             for n in splits:
                 attention.DECODE_SPLITS = n

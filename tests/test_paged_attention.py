@@ -138,6 +138,8 @@ def test_splits_fill_the_gpu_and_stay_within_the_table():
     assert kernel_splits(64, 8, 256, 132) == 2
     assert kernel_splits(4096, 8, 256, 132) == 1
     assert kernel_splits(1, 8, 3, 132) == 3              # never more splits than pages
+    assert kernel_splits(64, 8, 256, 132, page_bytes=1) == 1  # FP8 pages: 3 waves
+    assert kernel_splits(1, 8, 256, 132, page_bytes=1) == 32
 
 
 @pytest.mark.parametrize("pool_dtype,dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
@@ -190,14 +192,27 @@ def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, poo
     heads, kv_heads, head_dim, page, rows = PREFILL_CASES[shape]
     c = _case(40 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
               pool_dtype=pool_dtype, dtype=dtype)
+    want = _reference(c)
+    real = len(c["positions"])
+    # step padding, as the engine packs it: tokens in no row (their outputs must read zeros)
+    pad = 5
+    c["q"] = np.concatenate([c["q"], np.ones((pad, heads, head_dim), c["q"].dtype)])
+    c["positions"] = np.concatenate([c["positions"], np.zeros(pad, np.int32)])
+    c["token_rows"] = np.concatenate([c["token_rows"], np.zeros(pad, np.int32)])
+    c["row_tokens"][c["row_tokens"] == real] = real + pad
     args, static = _split(c)
-    poison = jnp.full((*c["row_tokens"].shape, heads, head_dim), jnp.nan, jnp.float32)
+    poison = jnp.full((real + pad, heads, head_dim), jnp.nan, jnp.float32)
     fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="prefill_kernel", out_init=o))
     hlo = fn.lower(args, poison).compile().as_text()
     assert "modelopt_paged_prefill_poisoned" in hlo
     got = np.asarray(fn(args, poison), np.float64)
-    assert np.isfinite(got).all()  # every real token's output was written
-    want = _reference(c)
+    assert np.isfinite(got).all()  # every token's output was written, padding included
+    assert (got[real:] == 0).all()
+    got = got[:real]
+    for key in ("q", "positions", "token_rows"):
+        c[key] = c[key][:real]
+    c["row_tokens"][c["row_tokens"] == real + pad] = real
+    args, static = _split(c)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < _tolerance(dtype, pool_dtype), err
     # row by row too: a wrong mask on one short row would hide in the long rows' norm

@@ -68,10 +68,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     CTA's 16-64 consecutive queries share every key tile, on the tensor cores; bf16 compute, see
     :func:`prefill_kernel_supports`); XLA otherwise.
     "xla", "kernel" (the decode kernel, any tokens) and "prefill_kernel" (needs ``row_tokens``)
-    force one. ``out_init`` (kernels only, tests): a float32 operand of the kernel's output shape
-    ([T, H, D], or [R, Wq, H, D] for the prefill kernel) aliased to that output, e.g. NaN-filled so
-    that an element the kernel does not write shows (the prefill kernel's padding entries are
-    dropped on the way back to [T]: a NaN shows only where a real token's output was not written).
+    force one. ``out_init`` (kernels only, tests): a float32 [T, H, D] operand aliased to the
+    kernel's output, e.g. NaN-filled so that an element the kernel does not write shows.
     """
     decode_like = q.shape[0] <= 2 * block_tables.shape[0]
     prompt_like = row_tokens is not None and row_tokens.shape[1] > 1
@@ -148,13 +146,17 @@ def _prefill_kernel_qualifies(q, k_pool, dtype) -> bool:
     return prefill_kernel_supports(h, k_pool.shape[1], d, k_pool.dtype, dtype)
 
 
-def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 132) -> int:
-    """How many CTAs share one (token, kv head)'s context: enough CTAs to fill the GPU ~4 times over.
+def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 132, page_bytes: int = 2) -> int:
+    """How many CTAs share one (token, kv head)'s context: enough CTAs to fill the GPU ~4 times over
+    (3 for FP8 pages, whose half-size tiles leave each CTA less to read per launch: the H200 sweep of
+    ``bench/attention.py --splits`` had one split beat two at 64 x 1024 FP8, 49 vs 55 us, and two
+    beat one in bf16, 85 vs 92).
 
     Each CTA then reads an equal share of its own sequence's pages (a short sequence leaves
     the later splits empty, which cost a launch slot and nothing else).
     """
-    want = -(-4 * sm_count // max(1, tokens * kv_heads))
+    waves = 4 if page_bytes >= 2 else 3
+    want = -(-waves * sm_count // max(1, tokens * kv_heads))
     return int(max(1, min(want, table_width, 32)))
 
 
@@ -169,7 +171,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
     # The kernel indexes block tables per token: expand [R, W] to the tokens' rows (int32; the same
     # gather in every layer, which XLA computes once).
     tables = block_tables[token_rows]
-    splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count())
+    splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count(), jnp.dtype(k_pool.dtype).itemsize)
     if DECODE_SPLITS is not None:
         splits = int(max(1, min(DECODE_SPLITS, block_tables.shape[1])))
     out_types = (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
@@ -191,29 +193,25 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
 
 def _prefill_kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale,
                                     page_size, dtype, row_tokens, out_init=None):
-    """The prefill kernel: its [R, Wq, H, D] output (one slot per row entry, padding entries zero)
-    scattered back to the packed tokens; a packed token in no row (step padding) gets zeros, as on
-    XLA's per-row path."""
+    """The prefill kernel: it writes each row's tokens in the packed order; a packed token in no
+    row (step padding) gets zeros, as on XLA's per-row path."""
     from modelopt_jax.ops import native
 
     del token_rows  # the kernel finds each row's tokens through row_tokens
     native.cuda_library()  # registers the kernel's FFI target
     t, h, d = q.shape
-    rows, width = row_tokens.shape
     operands = [q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
                 positions.astype(jnp.int32)]
     target, aliases = native.PAGED_PREFILL_TARGET, {}
     if out_init is not None:
         target, aliases = native.PAGED_PREFILL_POISONED_TARGET, {len(operands): 0}
         operands.append(out_init)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, width, h, d), jnp.float32),
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, h, d), jnp.float32),
                             vmap_method="broadcast_all", input_output_aliases=aliases)
-    out_rows = call(*operands, k_scale=np.float32(1.0 if k_scale is None else k_scale),
-                    v_scale=np.float32(1.0 if v_scale is None else v_scale),
-                    softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
-    out = jnp.zeros((t + 1, h * d), dtype).at[row_tokens.reshape(-1)].set(
-        out_rows.reshape(-1, h * d).astype(dtype), mode="drop")
-    return out[:t]
+    out = call(*operands, k_scale=np.float32(1.0 if k_scale is None else k_scale),
+               v_scale=np.float32(1.0 if v_scale is None else v_scale),
+               softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
+    return out.reshape(t, h * d).astype(dtype)
 
 
 @functools.cache
