@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm import SHAPES, _inputs  # noqa: E402
-from timing import repetitions, time_jax  # noqa: E402
+from timing import device_time_jax, repetitions, time_jax  # noqa: E402
 
 from modelopt_jax.ops import native  # noqa: E402
 from modelopt_jax.ops.ffi_gemm import ffi_fp8_gemm  # noqa: E402
@@ -43,7 +43,11 @@ def main():
     ap.add_argument("--swizzles", default="1", help="scheduler swizzle sizes to try, e.g. 1,4,8")
     ap.add_argument("--rasters", default="0", help="raster orders to try: 0 heuristic, 1 along M, 2 along N")
     ap.add_argument("--json")
+    ap.add_argument("--device-timing", action="store_true",
+                    help="GPU kernel time from the profiler instead of wall time per call (no per-call thunk "
+                         "overhead: at mid M, tens of us, the wall time's ~15 us of it blurs the ranking)")
     args = ap.parse_args()
+    timer = device_time_jax if args.device_timing else time_jax
     count = native.config_count()
     tiles = range(count) if args.tiles == "all" else [int(t) for t in args.tiles.split(",")]
     configs, names = {}, {}  # short label -> (tile, swizzle, raster), and -> description
@@ -64,7 +68,7 @@ def main():
             times = {}
             for c, (tile, sw, r) in configs.items():
                 try:
-                    times[c] = time_jax(lambda x, w, tile=tile, sw=sw, r=r: ffi_fp8_gemm(
+                    times[c] = timer(lambda x, w, tile=tile, sw=sw, r=r: ffi_fp8_gemm(
                         x, w, x_scale=0.01, w_scale=0.001, bias=None, out_dtype=jnp.bfloat16, tile=tile,
                         swizzle=sw, raster=r), xs, ws)
                 except Exception as e:  # a config that cannot implement this shape

@@ -25,15 +25,29 @@ const KernelConfig kSm90Configs[] = {
 };
 const int kNumSm90Configs = sizeof(kSm90Configs) / sizeof(kSm90Configs[0]);
 
-int ChooseSm90Config(int m, int /*n*/, int /*k*/) {
+namespace {
+
+// Output tiles of an M x N GEMM under TM x TN tiles.
+int Tiles(int m, int n, int tm, int tn) { return ((m + tm - 1) / tm) * ((n + tn - 1) / tn); }
+
+// Below this many output tiles a configuration leaves much of the H200's 132 SMs idle (there is no
+// split-K): a smaller tile that fills them wins at mid M (tune_gemm.py --device-timing, 2026-12-02).
+constexpr int kFewTiles = 80;
+
+}  // namespace
+
+int ChooseSm90Config(int m, int n, int /*k*/) {
   // Measured on the H200, 2026-11-30 (bench/tune_gemm.py over 8B qkv/gate_up/down and 70B
-  // qkv/down; the config with the highest summed TFLOP/s per M bucket).
+  // qkv/down; the config with the highest summed TFLOP/s per M bucket), and for narrow N at mid M
+  // on 2026-12-02 (GPU kernel time, 8B qkv/o/gate_up/down at M 64/128/256): N = 4096 (o, down) at
+  // M = 256 takes 64x128 ping-pong (o 814 vs 617 TFLOP/s, down 1063 vs 803), at M = 128 swap-AB
+  // 64x64 (o 519 vs 442, down 756 vs 647); qkv (N = 6144) and gate_up keep the bucket's choice.
   if (m <= 8) return 0;     // swap-AB 64x16x256 ws
   if (m <= 16) return 1;    // swap-AB 64x32x256 ws
   if (m <= 32) return 2;    // swap-AB 128x32x256 coop
   if (m <= 64) return 3;    // swap-AB 64x64x256 ping-pong
-  if (m <= 128) return 4;   // 64x128x128 ping-pong
-  if (m <= 2048) return 5;  // 128x128x128 ping-pong
+  if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong
+  if (m <= 2048) return Tiles(m, n, 128, 128) < kFewTiles ? 4 : 5;  // 128x128x128 ping-pong
   if (m <= 4096) return 7;  // 256x128x128 coop
   return 6;                 // 128x256x128 coop
 }
