@@ -223,6 +223,7 @@ class Engine:
 
     def _collect(self, launched) -> list[Request]:
         result = self.runner.collect(launched)
+        sampled, sampled_logprob = result.tokens.tolist(), result.chosen.tolist()  # Python ints and floats, once
         advanced = []
         for row, (r, n, start, samples) in enumerate(launched.rows):
             if r.finish_reason is not None:  # stopped in the step before, or aborted: nothing more to record
@@ -235,7 +236,7 @@ class Engine:
                         r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
                                                              r.params.prompt_logprobs)
             if samples:
-                r.accept(int(result.tokens[row]), result.chosen[row], result.top_values[row], result.top_ids[row])
+                r.accept(sampled[row], sampled_logprob[row], result.top_values[row], result.top_ids[row])
                 advanced.append(r)
                 if r.finish_reason is not None:
                     self._scheduler.finish(r)

@@ -107,10 +107,15 @@ class Runner:
         self.fixed_table_width = fixed_table_width
         self.fixed_prompt_tables = fixed_prompt_tables
         self.cache = model.init_paged_cache(num_pages, page_size)
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        # The weights go to every step as a flat tuple: jit flattens a tuple in C++, an nnx.State
+        # by a Python callback per node (~350 us a step for 32 layers, bench/host_loop.py), time the
+        # host loop does not have at 256 rows (it was the GPU that waited, bench/RESULTS.md).
+        leaves, state_def = jax.tree_util.tree_flatten(state)
+        self.weights = tuple(leaves)
 
-        def forward(state, *args):
-            return nnx.merge(graphdef, state).forward_packed(*args)
+        def forward(weights, *args):
+            return nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, weights)).forward_packed(*args)
 
         self._forward = forward
         self._step = jax.jit(self._step_fn, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -167,7 +172,7 @@ class Runner:
 
         i32, f32, u32 = np.int32, np.float32, np.uint32
         per_token, per_row = jax.ShapeDtypeStruct((tokens,), i32), jax.ShapeDtypeStruct((rows,), i32)
-        return (jax.tree_util.tree_map(like, self.state), jax.tree_util.tree_map(like, self.cache),
+        return (tuple(like(x) for x in self.weights), jax.tree_util.tree_map(like, self.cache),
                 per_token, per_token, per_token, per_token,                         # ids, positions, slots, rows
                 jax.ShapeDtypeStruct((rows, width), i32), jax.ShapeDtypeStruct((rows, row_width), i32),
                 per_row, per_token,                                                  # last, next ids
@@ -179,15 +184,15 @@ class Runner:
         num_logprobs, prompt_k, sampler = key[4:]
         return self._step.lower(num_logprobs, prompt_k, sampler, *operands).compile()
 
-    def _step_fn(self, num_logprobs, prompt_logprobs, sampler, state, cache, ids, positions, slots, token_rows, block_tables,
+    def _step_fn(self, num_logprobs, prompt_logprobs, sampler, weights, cache, ids, positions, slots, token_rows, block_tables,
                  row_tokens, last, next_ids, temps, top_k, top_p, row_keys, counters, last_tokens, from_last):
         ids = jnp.where(from_last >= 0, last_tokens[jnp.maximum(from_last, 0)], ids)
         if prompt_logprobs is None:
-            logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables, row_tokens,
+            logits, cache = self._forward(weights, ids, positions, cache, slots, token_rows, block_tables, row_tokens,
                                           last)
             prompt = None
         else:
-            all_logits, cache = self._forward(state, ids, positions, cache, slots, token_rows, block_tables,
+            all_logits, cache = self._forward(weights, ids, positions, cache, slots, token_rows, block_tables,
                                               row_tokens)
             logits = all_logits[last]
             prompt = token_logprobs(all_logits, next_ids, prompt_logprobs)
@@ -257,7 +262,7 @@ class Runner:
         counters = _padded([len(r.generated) + r.inflight for r, _ in batch], rows, 0, np.uint32)
         from_last = _padded(tok_from_last, tokens_b, -1)
         num_logprobs, prompt_k, sampler = key[4:]  # sampler: greedy steps skip the sort top-k/top-p need
-        operands = (self.state, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last, next_ids, temps,
+        operands = (self.weights, self.cache, ids, positions, slots, token_rows, tables, row_tokens, last, next_ids, temps,
                     top_k, top_p, row_keys, counters, self._last_tokens, from_last)
         if self._compiling is not None and self._compiling[0] == key:  # compiling off-thread: wait for it
             self._take_compiled(wait=True)
