@@ -74,7 +74,7 @@ print('memcheck sample done')
       python3 bench/weight_cache_attach.py --checkpoint "$ckpt" --write-preset llama3-8b --json "$OUT/attach.json" \
         2>&1 | tee "$OUT/attach.log" | tail -20 ;;
     tp-bench) ckpt=$2; shift 2
-      [ -f "$ckpt/config.json" ] || python3 -c "from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30, workers=16)"
+      [ -f "$ckpt/config.json" ] || python3 -c "import os; from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30, workers=os.cpu_count() or 1)"
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
     attn-tests) shift

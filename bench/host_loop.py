@@ -39,27 +39,27 @@ from modelopt_jax import LLM, SamplingParams  # noqa: E402
 from modelopt_jax.engine import runner as runner_module  # noqa: E402
 
 
-def _timed(acc: collections.Counter, counts: collections.Counter, label: str, fn):
+def _timed(acc: collections.Counter, label: str, fn):
+    """``fn``, adding its seconds to ``acc[label]``."""
     def timed(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             acc[label] += time.perf_counter() - t
-            counts[label] += 1
     return timed
 
 
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     engine, runner = llm.engine, llm.engine.runner
-    acc, counts = collections.Counter(), collections.Counter()
+    acc = collections.Counter()
     saved = (engine._scheduler.schedule, runner.launch, runner._step, engine._collect, runner_module.jax.device_get)
     try:
-        engine._scheduler.schedule = _timed(acc, counts, "schedule", saved[0])
-        runner.launch = _timed(acc, counts, "launch+dispatch", saved[1])
-        runner._step = _timed(acc, counts, "dispatch", saved[2])
-        engine._collect = _timed(acc, counts, "collect+wait", saved[3])
-        runner_module.jax.device_get = _timed(acc, counts, "wait", saved[4])
+        engine._scheduler.schedule = _timed(acc, "schedule", saved[0])
+        runner.launch = _timed(acc, "launch+dispatch", saved[1])
+        runner._step = _timed(acc, "dispatch", saved[2])
+        engine._collect = _timed(acc, "collect+wait", saved[3])
+        runner_module.jax.device_get = _timed(acc, "wait", saved[4])
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t

@@ -128,8 +128,8 @@ def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int =
     return runs[-1]
 
 
-def profile_a(llm, vocab: int, new: int = 34, top: int = 18, workload_name: str = "a") -> dict:
-    """Where a step of workload (a) (or ``workload_name``) spends its GPU time: its prompts traced twice under CUPTI, with
+def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, top: int = 18) -> dict:
+    """Where a step of ``workload_name`` ((a) by default) spends its GPU time: its prompts traced twice under CUPTI, with
     2 and ``new`` tokens to generate; the difference of the two kernel tables is ``new - 2`` decode
     steps alone (the prompt steps and the first decode step cancel), the short run is the prompt
     steps. Reports GPU busy time per decode step against the wall time per step (the gap is host
@@ -279,7 +279,7 @@ def main():
     for variant in args.engine:
         report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant)
     for name in (args.profile.split(",") if args.profile else []):
-        report[f"profile_{name}"] = profile_a(llm, model.config.vocab_size, workload_name=name)
+        report[f"profile_{name}"] = profile_workload(llm, model.config.vocab_size, name)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "

@@ -223,13 +223,20 @@ def _file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (-_DTYPE_RANK[s.dtype], s.name))
 
 
+def _data_layout(specs: Sequence[TensorSpec]) -> list[tuple[TensorSpec, int]]:
+    """The tensors in file order, each with its offset in the data section (after the header)."""
+    layout, offset = [], 0
+    for s in _file_order(specs):
+        layout.append((s, offset))
+        offset += s.nbytes
+    return layout
+
+
 def safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
     """The 8-byte length + JSON header the safetensors library writes for these tensors."""
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for s in _file_order(specs):
+    for s, offset in _data_layout(specs):
         header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-        offset += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
@@ -242,13 +249,10 @@ def write_safetensors(path: str | os.PathLike, specs: Sequence[TensorSpec],
     Returns the number of tensor data bytes written. Raises if a generator yields the wrong amount.
     """
     header = safetensors_header(specs, metadata)
-    total = 0
     with open(path, "wb") as f:
         f.write(header)
         f.flush()
-        for s in _file_order(specs):
-            total += _write_tensor(f.fileno(), s, len(header) + total)
-    return total
+        return sum(_write_tensor(f.fileno(), s, len(header) + offset) for s, offset in _data_layout(specs))
 
 
 def _write_tensor(fd: int, spec: TensorSpec, offset: int) -> int:
@@ -294,13 +298,10 @@ def _write_files_parallel(paths: Sequence[str], shards: Sequence[Sequence[Tensor
     jobs = []
     for path, shard in zip(paths, shards):
         header = safetensors_header(shard, metadata)
-        offset = len(header)
         with open(path, "wb") as f:
             f.write(header)
-            f.truncate(offset + sum(s.nbytes for s in shard))
-        for s in _file_order(shard):
-            jobs.append((s.nbytes, path, s.name, offset))
-            offset += s.nbytes
+            f.truncate(len(header) + sum(s.nbytes for s in shard))
+        jobs += [(s.nbytes, path, s.name, len(header) + offset) for s, offset in _data_layout(shard)]
     jobs.sort(key=lambda job: -job[0])  # largest first: the pool ends together
     # spawn, not fork: the caller may hold JAX's threads, which a fork would copy mid-flight
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),

@@ -17,9 +17,10 @@
 // float32 [T, heads, d] in the packed order, each row's tokens written where row_tokens puts them
 // (the handler zeroes the buffer first: a packed token in no row -- step padding -- reads zeros, as
 // on XLA's path; writing per row and scattering back cost the prompt steps a pass over the
-// output, about 2 ms of a 2048-token step of Llama-3-8B on the H200). FP8 pages hold e4m3 codes, which bf16 holds exactly: the key scale
-// multiplies the float32 scores, the value scale the output. The probabilities are rounded to the
-// MMA type before P.V, as XLA's path rounds them to the compute dtype.
+// output, about 2 ms of a 2048-token step of Llama-3-8B on the H200). FP8 pages hold e4m3 codes,
+// which bf16 holds exactly: the key scale multiplies the float32 scores, the value scale the output.
+// The probabilities are rounded to the MMA type before P.V, as XLA's path rounds them to the
+// compute dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

@@ -46,8 +46,8 @@ int ChooseSm90Config(int m, int n, int /*k*/) {
   if (m <= 16) return 1;    // swap-AB 64x32x256 ws
   if (m <= 32) return 2;    // swap-AB 128x32x256 coop
   if (m <= 64) return 3;    // swap-AB 64x64x256 ping-pong
-  if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong
-  if (m <= 2048) return Tiles(m, n, 128, 128) < kFewTiles ? 4 : 5;  // 128x128x128 ping-pong
+  if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong, or swap-AB 64x64
+  if (m <= 2048) return Tiles(m, n, 128, 128) < kFewTiles ? 4 : 5;  // 128x128x128 ping-pong, or 64x128
   if (m <= 4096) return 7;  // 256x128x128 coop
   return 6;                 // 128x256x128 coop
 }
