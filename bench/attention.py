@@ -10,6 +10,13 @@ engine runs without it (``backend="xla"``: gather the rows' pages, two einsums),
 ``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
 over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
 distinct pools per call so nothing stays in L2), and the bandwidth of the KV bytes actually used.
+
+    python bench/attention.py --prefill [--json out.json]
+
+Prompt steps instead: the prefill kernel (GPU time alone, CUPTI) beside the XLA path it replaced
+(wall per call), on the engine's step shapes -- 2048 packed tokens as whole prompts of (a) and (b)
+and as a chunk after a cached prefix -- in TFLOP/s of the causal work done (4 d per query-key pair
+at or before the query).
 """
 
 from __future__ import annotations
@@ -102,11 +109,101 @@ def sweep_splits(splits: list[int]) -> list[dict]:
     return rows
 
 
+PREFILL_STEPS = [  # (name, [(cached prefix, new tokens) per row]): 2048-token prompt steps of the engine
+    ("2 x 1024 (a)", [(0, 1024)] * 2),
+    ("3 x 683 (b)", [(0, 683)] * 3),
+    ("16 x 128", [(0, 128)] * 16),
+    ("1 x 2048 after 2048", [(2048, 2048)]),
+]
+
+
+def make_prefill(rows, dtype, seed):
+    """A prompt step's operands: queries packed row after row, each row's pages shuffled over the pool,
+    row_tokens [R, widest row] (padding T), and the causal query-key pairs it scores."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-(pre + new) // PAGE) for pre, new in rows]
+    total = sum(pages) + 1
+    order = 1 + rng.permutation(total - 1)
+    width = max(pages)
+    tables = np.zeros((len(rows), width), np.int32)
+    start = 0
+    for r, n in enumerate(pages):
+        tables[r, :n] = order[start:start + n]
+        start += n
+    tokens = sum(new for _, new in rows)
+    row_width = max(new for _, new in rows)
+    row_tokens = np.full((len(rows), row_width), tokens, np.int32)
+    token_rows, positions, offset, pairs = [], [], 0, 0
+    for r, (pre, new) in enumerate(rows):
+        row_tokens[r, :new] = np.arange(offset, offset + new)
+        token_rows += [r] * new
+        positions += range(pre, pre + new)
+        pairs += sum(p + 1 for p in range(pre, pre + new))
+        offset += new
+    q = jnp.asarray(rng.standard_normal((tokens, HEADS, D)), jnp.bfloat16)
+    count = int(max(3, min(10, POOL_BUDGET // (2 * total * PAGE * KV * D * jnp.dtype(dtype).itemsize))))
+    pools = []
+    for i in range(count):
+        k = jax.random.normal(jax.random.key(seed * 10 + i), (total * PAGE, KV, D), jnp.float32)
+        pools.append((k.astype(dtype), (k * 0.5).astype(dtype)))
+    ints = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
+    return q, pools, (ints(token_rows), ints(positions), jnp.asarray(tables), jnp.asarray(row_tokens)), pairs
+
+
+def prefill_steps() -> list[dict]:
+    """The prefill kernel's GPU time (CUPTI) and XLA's wall time per call on the engine's prompt steps."""
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; prompt steps of one layer: {HEADS} heads, {KV} kv "
+          f"heads, d {D}, page {PAGE}; us per call (TFLOP/s of causal attention)")
+    rows = []
+    for name, step in PREFILL_STEPS:
+        for pages, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+            q, pools, (token_rows, positions, tables, row_tokens), pairs = make_prefill(step, dtype, len(step))
+            flops = 4 * D * HEADS * pairs
+            scale = 0.02 if pages == "fp8" else None
+
+            def run(backend):
+                return lambda x, w: paged_attention(x, w[0], w[1], k_scale=scale, v_scale=scale, page_size=PAGE,
+                                                    token_rows=token_rows, positions=positions, block_tables=tables,
+                                                    dtype=jnp.bfloat16, row_tokens=row_tokens, backend=backend)
+            line = {"step": name, "pages": pages, "pairs": pairs}
+            try:
+                program = jax.jit(lambda xs, ws: [run("prefill_kernel")(x, w) for x, w in zip(xs, ws)])
+                xs = [q] * len(pools)
+                jax.block_until_ready(program(xs, pools))
+                times = kernel_times(lambda: jax.block_until_ready(program(xs, pools)))
+                ns = sum(total for kname, (_, total) in times.items() if "PagedPrefill" in kname) / len(pools)
+                line["kernel_gpu_us"], line["kernel_tflops"] = ns / 1e3, flops / ns / 1e3
+            except Exception as e:  # reported, not fatal
+                line["kernel_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            try:
+                s = time_jax(run("xla"), [q] * len(pools), pools)
+                line["xla_us"], line["xla_tflops"] = s * 1e6, flops / s / 1e12
+            except Exception as e:
+                line["xla_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows.append(line)
+            cells = "; ".join(f"{k[:-3] if k.endswith('_us') else k} {v:.0f}" for k, v in line.items()
+                              if k.endswith("_us"))
+            tf = "; ".join(f"{k} {v:.0f}" for k, v in line.items() if k.endswith("_tflops"))
+            print(f"{name:22s} {pages}: {cells} ({tf})", flush=True)
+            for k, v in line.items():
+                if k.endswith("_error"):
+                    print(f"    {k}: {v}")
+            del pools
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--splits", help="comma-separated splits to sweep (only the sweep runs)")
+    ap.add_argument("--prefill", action="store_true", help="prompt steps: the prefill kernel vs XLA (only they run)")
     args = ap.parse_args()
+    if args.prefill:
+        rows = prefill_steps()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.splits:
         rows = sweep_splits([int(x) for x in args.splits.split(",")])
         if args.json:

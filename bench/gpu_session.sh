@@ -3,6 +3,7 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
+#                             [prefill-tests] [attn-prefill]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
@@ -11,6 +12,7 @@
 # serve ... profile: the CUPTI kernel tables of the workloads in PROFILE_WORKLOADS (default a; b256: 256 rows
 #   of 700 tokens, (b)'s steady state).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
+# prefill-tests / attn-prefill: the prefill kernel's tests; its GPU time on the engine's prompt-step shapes vs XLA.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
@@ -82,6 +84,12 @@ print('memcheck sample done')
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
+    attn-prefill) shift
+      python3 bench/attention.py --prefill --json "$OUT/attention_prefill.json" 2>&1 \
+        | tee "$OUT/attention_prefill.log" | tail -20 ;;
+    prefill-tests) shift
+      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "prefill" \
+        2>&1 | tee "$OUT/prefill_tests.log" | tail -15 ;;
     attn-splits) shift
       python3 bench/attention.py --splits 1,2,3,4,6,8 --json "$OUT/attention_splits.json" 2>&1 \
         | tee "$OUT/attention_splits.log" | tail -20 ;;

@@ -49,6 +49,23 @@ __device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, bool v
 __device__ __forceinline__ void CommitAsync() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void WaitAllAsync() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// ldmatrix: four 8x8 matrices of 16-bit elements from shared memory, one row address per lane
+// (lanes 8m .. 8m + 7 give matrix m's rows). Plain: lane t receives row t / 4, elements 2 (t % 4)
+// and + 1 -- an MMA B-fragment half when the rows are the fragment's n (keys of a K tile, k along
+// d). Transposed: lane t receives elements (2 (t % 4), t / 4) and (2 (t % 4) + 1, t / 4) -- the
+// B-fragment half of a tile whose rows run along k (keys of a V tile). One instruction replaces
+// four 32-bit (plain) or eight 16-bit (transposed) shared-memory loads per lane.
+__device__ __forceinline__ void LoadMatrices(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void LoadMatricesTransposed(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
 template <int kPending>
 __device__ __forceinline__ void WaitAsync() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
