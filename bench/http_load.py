@@ -420,7 +420,7 @@ def parse_args(argv=None):
     ap.add_argument("--json")
     for name, default in (("--dtype", "bfloat16"), ("--kv-cache-dtype", "auto")):
         ap.add_argument(name, default=default, help="server and LLM option")
-    for name, default in (("--max-model-len", None), ("--max-num-seqs", 256), ("--max-prefill-tokens", 2048)):
+    for name, default in (("--max-model-len", None), ("--max-num-seqs", None), ("--max-prefill-tokens", 2048)):
         ap.add_argument(name, type=int, default=default, help="server and LLM option")
     args = ap.parse_args(argv)
     if args.write_preset and not args.checkpoint:

@@ -195,7 +195,7 @@ def run_engine_variant(llm, variant: str) -> dict:
     print(f"(b) [{variant}]: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
           f"{st['generated_tokens_per_s']:.0f} generated tok/s (first run incl. compile {first:.1f} s); "
           f"{st['decode_steps']} decode steps at {ms:.2f} ms, {st['prefill_steps']} prefill steps "
-          f"{st['prefill_s']:.2f} s; max running {st['max_running']}; "
+          f"{st['prefill_s']:.2f} s; preemptions {st['preemptions']}, max running {st['max_running']}; "
           f"{len(llm.engine.runner.shapes)} step shapes compiled", flush=True)
     return {**st, "first_run_s": first, "ms_per_decode_step": ms, "programs": len(llm.engine.runner.shapes)}
 

@@ -160,7 +160,9 @@ def _model_options(p) -> None:
 
     p.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one (default: the checkpoint's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together at most")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests decoded together at most (default: 512 where the KV pool holds 512 sequences "
+                        "of 1024 tokens, else 256)")
     p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens per engine step at most")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                    help="GPU: share of device memory the weights and the KV pool may use")

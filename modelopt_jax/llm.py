@@ -59,7 +59,8 @@ class LLM:
     "require"), ``weight_cache_dir`` and ``weight_cache_timeout`` attach to a weight-cache daemon
     (see :func:`modelopt_jax.load`). The engine (:class:`modelopt_jax.engine.EngineConfig`): the KV
     page pool takes ``kv_cache_memory_fraction`` of the device (after the weights) or
-    ``kv_cache_bytes``; at most ``max_num_seqs`` requests run at once, a step prefills at most
+    ``kv_cache_bytes``; at most ``max_num_seqs`` requests run at once (None: 512 where the pool
+    holds 512 sequences of 1024 tokens, as on an 80-141 GB GPU, else 256), a step prefills at most
     ``max_prefill_tokens`` prompt tokens, and a short prompt step waits up to ``prefill_wait_steps``
     decode steps for more admissions while many requests decode (0: never).
     """
@@ -70,7 +71,7 @@ class LLM:
                  compilation_cache_dir: str | None = "auto", tensor_parallel_size: int = 1,
                  weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
                  weight_cache_timeout: float | None = None, kv_cache_memory_fraction: float = 0.9,
-                 kv_cache_bytes: int | None = None, max_num_seqs: int = 256, max_prefill_tokens: int = 2048,
+                 kv_cache_bytes: int | None = None, max_num_seqs: int | None = None, max_prefill_tokens: int = 2048,
                  prefill_wait_steps: int = 8, **unknown: Any):
         if unknown:
             raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "

@@ -413,6 +413,24 @@ def test_bad_engine_settings_are_clear_errors(kw, match):
         _llm(**kw)
 
 
+def test_max_num_seqs_default_follows_the_pool():
+    """max_num_seqs=None: 512 rows where the pool holds 512 sequences of 1024 tokens (a big GPU's),
+    256 where it does not (the small default CPU pool); resolved once, into engine.config; an
+    explicit value is kept whatever the pool."""
+    from modelopt_jax.engine.engine import default_max_num_seqs
+
+    assert default_max_num_seqs(512 * 64, 16) == 512
+    assert default_max_num_seqs(512 * 64 - 1, 16) == 256
+    small = _llm()
+    assert small.engine.config.max_num_seqs == 256
+    assert small.engine.pool.num_pages * small.engine.pool.page_size < 512 * 1024
+    page = _page_bytes(small)
+    big = _llm(kv_cache_bytes=(512 * 64 + 1) * page)
+    assert big.engine.config.max_num_seqs == 512
+    assert big.engine.runner.max_rows == 512
+    assert _llm(kv_cache_bytes=(512 * 64 + 1) * page, max_num_seqs=100).engine.config.max_num_seqs == 100
+
+
 def test_prompt_longer_than_max_model_len_is_refused_before_any_work(roomy):
     with pytest.raises(ValueError, match="prompt 1 has 300 tokens; max_model_len=256"):
         roomy.generate([[1, 2, 3], [5] * 300], use_tqdm=False)

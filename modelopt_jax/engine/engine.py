@@ -29,6 +29,13 @@ from modelopt_jax.ops.attention import kernel_supports, prefill_kernel_supports
 
 MAX_PROMPT_DEFER_S = 30.0  # longest a prompt step waits for its off-thread compile before compiling in line
 CPU_DEFAULT_SEQS = 8  # full-length sequences the default CPU pool holds (see pool_bytes)
+# max_num_seqs=None: LARGE_POOL_SEQS rows where the pool holds that many sequences of
+# LARGE_POOL_TOKENS tokens, else SMALL_POOL_SEQS. Why: more rows finish a workload in fewer,
+# fuller decode steps -- on the H200 (8B FP8, 1000 prompts of 64-1024 tokens, 32-512 new) 256
+# rows gave 11,702 generated tok/s, 512 rows 12,343 and 1024 rows 11,995 (bench/RESULTS.md) --
+# but only where the pool can hold them; a small pool would preempt and recompute instead
+# (vLLM, likewise, defaults to more rows on GPUs of 70 GiB and up).
+LARGE_POOL_SEQS, LARGE_POOL_TOKENS, SMALL_POOL_SEQS = 512, 1024, 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +43,8 @@ class EngineConfig:
     """How the engine uses memory and batches work (vLLM's names where they exist)."""
 
     page_size: int = 16                       # tokens per KV page
-    max_num_seqs: int = 256                   # running requests at most (rows of a decode step)
+    max_num_seqs: int | None = None           # running requests at most (rows of a decode step); None:
+                                              # by the pool's size (see default_max_num_seqs)
     max_prefill_tokens: int = 2048            # prompt tokens per step at most (chunked prefill)
     prefill_wait_steps: int = 8               # decode steps a short prompt step may wait for company
     kv_cache_memory_fraction: float = 0.9     # GPU: share of device memory the weights + pool may use
@@ -47,8 +55,11 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens"):
             value = getattr(self, name)
+            if name == "max_num_seqs" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+                raise ConfigError(f"{name}={value!r} must be a positive integer" +
+                                  (" or None" if name == "max_num_seqs" else ""))
         value = self.prefill_wait_steps
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"prefill_wait_steps={value!r} must be a non-negative integer")
@@ -91,9 +102,16 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
         per_device = int(config.kv_cache_memory_fraction * limit) - used - reserve
         return max(0, per_device) * model.tensor_parallel_size
     want = page_bytes(model, config.page_size) * (-(-max_model_len // config.page_size)) * \
-        min(config.max_num_seqs, CPU_DEFAULT_SEQS)
+        min(config.max_num_seqs or CPU_DEFAULT_SEQS, CPU_DEFAULT_SEQS)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
+
+
+def default_max_num_seqs(pool_pages: int, page_size: int) -> int:
+    """The rows a decode step may take when ``max_num_seqs`` is not given: LARGE_POOL_SEQS where a
+    pool of ``pool_pages`` holds that many LARGE_POOL_TOKENS-token sequences, else SMALL_POOL_SEQS."""
+    large = pool_pages * page_size >= LARGE_POOL_SEQS * LARGE_POOL_TOKENS
+    return LARGE_POOL_SEQS if large else SMALL_POOL_SEQS
 
 
 def reads_only_used_pages(model, prompt: bool = False) -> bool:
@@ -110,9 +128,13 @@ class Engine:
     """Continuous batching over a paged KV cache for one model."""
 
     def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0):
-        self.model, self.config, self.max_model_len = model, config, int(max_model_len)
+        self.max_model_len = int(max_model_len)
         budget = pool_bytes(model, config, self.max_model_len)
         pages_per_seq = -(-self.max_model_len // config.page_size)
+        if config.max_num_seqs is None:  # resolved once; self.config says what runs
+            budget_pages = budget // page_bytes(model, config.page_size)
+            config = dataclasses.replace(config, max_num_seqs=default_max_num_seqs(budget_pages, config.page_size))
+        self.model, self.config = model, config
         # Never more than max_num_seqs full-length sequences can use (plus scratch): the rest of the
         # budget stays free for other work in the process.
         num_pages = min(budget // page_bytes(model, config.page_size), config.max_num_seqs * pages_per_seq + 1)
