@@ -84,12 +84,12 @@ def with_kernel(variant, *args):
         attention.DECODE_KERNEL = before
 
 
-def sweep_splits(splits: list[int]) -> list[dict]:
+def sweep_splits(splits: list[int], shapes=SHAPES) -> list[dict]:
     """The decode kernel's GPU time (CUPTI) per shape, pool dtype and CTAs per (token, kv head), the
     heuristic's choice beside: what kernel_splits should pick."""
     rows = []
     print("# decode kernel (mma / staged for fp32) GPU us per call by splits; * = kernel_splits' choice")
-    for batch, context in SHAPES:
+    for batch, context in shapes:
         for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
             auto = attention.kernel_splits(batch, KV, tables.shape[1], attention._sm_count(),
@@ -196,6 +196,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--splits", help="comma-separated splits to sweep (only the sweep runs)")
+    ap.add_argument("--shapes", help="with --splits: comma-separated BATCHxCONTEXT (default: all of SHAPES)")
     ap.add_argument("--prefill", action="store_true", help="prompt steps: the prefill kernel vs XLA (only they run)")
     args = ap.parse_args()
     if args.prefill:
@@ -205,7 +206,8 @@ def main():
                 json.dump(rows, f, indent=1)
         return
     if args.splits:
-        rows = sweep_splits([int(x) for x in args.splits.split(",")])
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+        rows = sweep_splits([int(x) for x in args.splits.split(",")], shapes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

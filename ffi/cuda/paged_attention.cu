@@ -302,13 +302,21 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
 // are zeros), so scoring a key and adding its value cost a share of two MMAs instead of G dot
 // products, shuffle reductions and FMAs on the CUDA cores -- the instruction stream that holds the
 // staged kernel near 2.4 TB/s on the H200 (about 50 warp instructions per (token, kv head) at G=4).
-// All 128 threads stream 64-key tiles of K and V into shared memory with cp.async, two tiles deep
+// All 128 threads stream 64-key tiles of K and V into shared memory with cp.async, kMmaStages deep
 // (positions past the split's end are zero-filled: a value must not be NaN where P is 0); warp w
 // scores keys 16w .. 16w + 15 of each tile and keeps its own online-softmax state, and the warps'
 // states merge at the end as the other kernels merge theirs. Exponentials run in base 2 (the
 // scores carry log2(e)); the split partials are written in natural units for MergeSplitsKernel.
 // The MMAs take bf16 operands (f16 for f16 pages): the engine runs this kernel for bf16 compute.
 constexpr int kMmaKeys = 64;
+// (K, V) tile stages per CTA (MODELOPT_JAX_DECODE_STAGES overrides it at build time, for A/B runs of
+// bench/attention.py). Two measured best on the H200 (2026-12-02, GPU us of one 8B layer): 64 x 1024
+// bf16 83 / 82 / 132 for 2 / 3 / 4 stages, 256 x 1024 274 / 305 / 508 -- more stages cost
+// resident CTAs (70 KB of shared memory per CTA at two) without reading faster.
+#ifndef MODELOPT_JAX_DECODE_STAGES
+#define MODELOPT_JAX_DECODE_STAGES 2
+#endif
+constexpr int kMmaStages = MODELOPT_JAX_DECODE_STAGES;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 template <typename T, int D, int G>
@@ -316,7 +324,7 @@ struct MmaTiles {
   static constexpr int kRowBytes = D * (int)sizeof(T);
   static constexpr int kStride = kRowBytes + 16;  // padded rows: conflict-free fragment loads
   static constexpr int kTileBytes = kMmaKeys * kStride;
-  static constexpr int kPipeBytes = 2 * 2 * kTileBytes;  // two stages of (K, V)
+  static constexpr int kPipeBytes = kMmaStages * 2 * kTileBytes;  // kMmaStages stages of (K, V)
   static constexpr int kMergeBytes = kWarps * G * D * (int)sizeof(float);
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
@@ -367,7 +375,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
 
   auto issue = [&](int tile) {
     if (tile < tiles) {
-      unsigned char* stage = smem + (tile & 1) * 2 * S::kTileBytes;
+      unsigned char* stage = smem + (tile % kMmaStages) * 2 * S::kTileBytes;
       constexpr int kChunks = S::kRowBytes / 16;
       for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kWarps * 32) {
         const int key = c / kChunks, part = c % kChunks;
@@ -385,12 +393,13 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
     attention::CommitAsync();  // an empty group past the last tile keeps the wait count uniform
   };
 
-  issue(0);
+#pragma unroll
+  for (int s = 0; s + 1 < kMmaStages; ++s) issue(s);
   for (int tile = 0; tile < tiles; ++tile) {
-    issue(tile + 1);
-    attention::WaitAsync<1>();  // this thread's copies of `tile` have landed...
-    __syncthreads();            // ...and everyone's
-    const unsigned char* ks = smem + (tile & 1) * 2 * S::kTileBytes;
+    issue(tile + kMmaStages - 1);
+    attention::WaitAsync<kMmaStages - 1>();  // this thread's copies of `tile` have landed...
+    __syncthreads();                          // ...and everyone's
+    const unsigned char* ks = smem + (tile % kMmaStages) * 2 * S::kTileBytes;
     const unsigned char* vs = ks + S::kTileBytes;
     const int key0 = warp * 16;
     float sc[2][4];
