@@ -1,7 +1,7 @@
 """The engine's schedule for a workload, without a model or a device: steps, their composition and
 the programs they compile (``step_shape``), for tuning the scheduler and the bucketing on a CPU.
 
-    python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs 256] [--max-prefill-tokens 2048]
+    python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs N] [--max-prefill-tokens 2048]
                                  [--prefill-wait-steps 8]
 
 ``--pages`` defaults to the pool ``LLM`` gives the synthetic 8B FP8 checkpoint on the H200 (bf16
@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from modelopt_jax.engine.engine import default_max_num_seqs  # noqa: E402
 from modelopt_jax.engine.pages import PagePool  # noqa: E402
 from modelopt_jax.engine.request import Request  # noqa: E402
 from modelopt_jax.engine.runner import step_shape  # noqa: E402
@@ -58,11 +59,13 @@ def main():
     ap.add_argument("--workload", default="b", choices=["a", "b"])
     ap.add_argument("--pages", type=int, default=53469)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: what the engine picks for the pool")
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prefill-wait-steps", type=int, default=8)
     args = ap.parse_args()
+    if args.max_num_seqs is None:
+        args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
     requests = [Request(i, None, [5] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
                         np.zeros(2, np.uint32)) for i, (n, m) in enumerate(workload(args.workload))]
     pool = PagePool(args.pages, args.page_size)
