@@ -4,7 +4,8 @@ A kernel that compiled but fell back to a slow path would still pass every CPU t
 cannot hide it. Every sm_90a cubin that holds a GEMM kernel must issue FP8 warpgroup MMAs
 (``QGMMA...E4M3.E4M3``) fed by TMA loads (``UTMALDG``); every sm_100a cubin must issue
 ``UTCQMMA`` (Blackwell FP8 UMMA). Every instantiation of the tensor-core attention kernels
-(``PagedPrefillKernel``, ``PagedDecodeMmaKernel``) must issue ``HMMA.16816`` (mma.sync m16n8k16). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
+(``PagedPrefillKernel``, ``PagedDecodeMmaKernel``) must issue ``HMMA.16816`` (mma.sync m16n8k16), and the
+prefill kernel ``LDSM.16.M88.4`` and ``LDSM.16.MT88.4`` (ldmatrix, plain and transposed). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels, whose bin/ is searched too).
 
     python ffi/check_sass.py [path/to/libmodelopt_jax_ffi_cuda.so]
@@ -53,6 +54,11 @@ def main() -> int:
                     attention_kernels += 1
                     if "HMMA.16816.F32" not in function:
                         failures.append(function.split()[0][:120])
+                    # the prefill kernel's B fragments come from ldmatrix, V's transposed (without
+                    # them it ran at ~65 TFLOP/s instead of 135-151, bench/RESULTS.md)
+                    if "PagedPrefillKernel" in function and not ("LDSM.16.M88.4" in function and
+                                                                 "LDSM.16.MT88.4" in function):
+                        failures.append(function.split()[0][:120] + " (no ldmatrix)")
             if "Function : " not in sass or "GemmUniversal" not in sass and "cutlass" not in sass:
                 continue  # host-side handler, table or attention kernels: no GEMM kernels
             name = os.path.basename(cubin)
@@ -78,7 +84,7 @@ def main() -> int:
         print(f"check_sass: no tensor-core instructions in {failures}", file=sys.stderr)
         return 1
     print(f"check_sass: {checked} kernel cubins use FP8 tensor-core instructions; "
-          f"{attention_kernels} attention kernels use HMMA")
+          f"{attention_kernels} attention kernels use HMMA (the prefill kernels ldmatrix too)")
     return 0
 
 
