@@ -320,12 +320,10 @@ std::string Dims(ffi::Span<const int64_t> d) {
 template <typename T, int D, int G>
 void Launch(const Params& p, int rows, cudaStream_t stream) {
   constexpr int kSmem = Stages<D>::kBytes;
-  // Above 48 KB a kernel must opt in to dynamic shared memory (once per instantiation is enough).
-  static const bool opted_in = [] {
-    cudaFuncSetAttribute(PagedPrefillKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    return true;
-  }();
-  (void)opted_in;
+  // Above 48 KB a kernel must opt in to dynamic shared memory. The opt-in belongs to the current
+  // device's copy of the kernel, so it is made on every launch (cheap and idempotent), not once
+  // per process: with tensor parallelism each device launches its own.
+  cudaFuncSetAttribute(PagedPrefillKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   dim3 grid((p.row_width * G + kRows - 1) / kRows, p.kv_heads, rows);
   PagedPrefillKernel<T, D, G><<<grid, kWarps * 32, kSmem, stream>>>(p);
 }
