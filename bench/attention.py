@@ -48,12 +48,17 @@ def make(batch, context, dtype, seed):
     total = batch * pages + 1
     tables = (1 + rng.permutation(total - 1)).reshape(batch, pages).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((batch, HEADS, D)), jnp.bfloat16)
+    return q, random_pools(total, dtype, seed), jnp.asarray(tables), jnp.full((batch,), context - 1, jnp.int32)
+
+
+def random_pools(total_pages, dtype, seed):
+    """(keys, values) pools of ``total_pages`` pages: as many distinct ones as POOL_BUDGET allows (3..10)."""
+    count = int(max(3, min(10, POOL_BUDGET // (2 * total_pages * PAGE * KV * D * jnp.dtype(dtype).itemsize))))
     pools = []
-    count = int(max(3, min(10, POOL_BUDGET // (2 * total * PAGE * KV * D * jnp.dtype(dtype).itemsize))))
     for i in range(count):
-        k = jax.random.normal(jax.random.key(seed * 10 + i), (total * PAGE, KV, D), jnp.float32)
+        k = jax.random.normal(jax.random.key(seed * 10 + i), (total_pages * PAGE, KV, D), jnp.float32)
         pools.append((k.astype(dtype), (k * 0.5).astype(dtype)))
-    return q, pools, jnp.asarray(tables), jnp.full((batch,), context - 1, jnp.int32)
+    return pools
 
 
 def ours(q, pool, tables, positions, backend, fp8):
@@ -64,13 +69,13 @@ def ours(q, pool, tables, positions, backend, fp8):
                            block_tables=tables, dtype=jnp.bfloat16, backend=backend)
 
 
-def kernel_only_seconds(fn, xs, ws) -> float:
-    """GPU time per call of our kernels alone (the attention kernel and its split merge; CUPTI), so
-    the bandwidth is the kernel's and not the dispatch's."""
+def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> float:
+    """GPU time per call of our kernels alone (by default the decode kernel and its split merge;
+    CUPTI), so the bandwidth is the kernel's and not the dispatch's."""
     program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
     jax.block_until_ready(program(xs, ws))
     times = kernel_times(lambda: jax.block_until_ready(program(xs, ws)))
-    ns = sum(total for name, (_, total) in times.items() if "PagedDecode" in name or "MergeSplits" in name)
+    ns = sum(total for name, (_, total) in times.items() if any(k in name for k in kernels))
     return ns / 1e9 / len(ws)
 
 
@@ -141,13 +146,9 @@ def make_prefill(rows, dtype, seed):
         pairs += sum(p + 1 for p in range(pre, pre + new))
         offset += new
     q = jnp.asarray(rng.standard_normal((tokens, HEADS, D)), jnp.bfloat16)
-    count = int(max(3, min(10, POOL_BUDGET // (2 * total * PAGE * KV * D * jnp.dtype(dtype).itemsize))))
-    pools = []
-    for i in range(count):
-        k = jax.random.normal(jax.random.key(seed * 10 + i), (total * PAGE, KV, D), jnp.float32)
-        pools.append((k.astype(dtype), (k * 0.5).astype(dtype)))
     ints = lambda a: jnp.asarray(np.asarray(a, np.int32))  # noqa: E731
-    return q, pools, (ints(token_rows), ints(positions), jnp.asarray(tables), jnp.asarray(row_tokens)), pairs
+    return (q, random_pools(total, dtype, seed),
+            (ints(token_rows), ints(positions), jnp.asarray(tables), jnp.asarray(row_tokens)), pairs)
 
 
 def prefill_steps() -> list[dict]:
@@ -167,12 +168,8 @@ def prefill_steps() -> list[dict]:
                                                     dtype=jnp.bfloat16, row_tokens=row_tokens, backend=backend)
             line = {"step": name, "pages": pages, "pairs": pairs}
             try:
-                program = jax.jit(lambda xs, ws: [run("prefill_kernel")(x, w) for x, w in zip(xs, ws)])
-                xs = [q] * len(pools)
-                jax.block_until_ready(program(xs, pools))
-                times = kernel_times(lambda: jax.block_until_ready(program(xs, pools)))
-                ns = sum(total for kname, (_, total) in times.items() if "PagedPrefill" in kname) / len(pools)
-                line["kernel_gpu_us"], line["kernel_tflops"] = ns / 1e3, flops / ns / 1e3
+                s = kernel_only_seconds(run("prefill_kernel"), [q] * len(pools), pools, kernels=("PagedPrefill",))
+                line["kernel_gpu_us"], line["kernel_tflops"] = s * 1e6, flops / s / 1e12
             except Exception as e:  # reported, not fatal
                 line["kernel_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             try:
@@ -199,15 +196,12 @@ def main():
     ap.add_argument("--shapes", help="with --splits: comma-separated BATCHxCONTEXT (default: all of SHAPES)")
     ap.add_argument("--prefill", action="store_true", help="prompt steps: the prefill kernel vs XLA (only they run)")
     args = ap.parse_args()
-    if args.prefill:
-        rows = prefill_steps()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    if args.splits:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
-        rows = sweep_splits([int(x) for x in args.splits.split(",")], shapes)
+    if args.prefill or args.splits:  # a mode of its own: only it runs
+        if args.prefill:
+            rows = prefill_steps()
+        else:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+            rows = sweep_splits([int(x) for x in args.splits.split(",")], shapes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -109,11 +109,7 @@ __device__ __forceinline__ void LoadTiles(const Params& p, const int32_t* slots,
       const __nv_fp8x2_storage_t* codes = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
       uint32_t packed[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes[i], __NV_E4M3);
-        float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
-        packed[i] = Mma<T>::pack(f.x, f.y);
-      }
+      for (int i = 0; i < 8; ++i) packed[i] = attention::Fragments<T>::Convert(codes[i]);  // exact: e4m3 in bf16
       uint4* dst = reinterpret_cast<uint4*>((which ? v_tile : k_tile) + key * kStride + part * 32);
       dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);

@@ -55,7 +55,7 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
         for name in ("page_size", "max_num_seqs", "max_prefill_tokens"):
             value = getattr(self, name)
-            if name == "max_num_seqs" and value is None:
+            if name == "max_num_seqs" and value is None:  # the engine picks it for its pool
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer" +
@@ -130,14 +130,14 @@ class Engine:
     def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0):
         self.max_model_len = int(max_model_len)
         budget = pool_bytes(model, config, self.max_model_len)
+        budget_pages = budget // page_bytes(model, config.page_size)
         pages_per_seq = -(-self.max_model_len // config.page_size)
         if config.max_num_seqs is None:  # resolved once; self.config says what runs
-            budget_pages = budget // page_bytes(model, config.page_size)
             config = dataclasses.replace(config, max_num_seqs=default_max_num_seqs(budget_pages, config.page_size))
         self.model, self.config = model, config
         # Never more than max_num_seqs full-length sequences can use (plus scratch): the rest of the
         # budget stays free for other work in the process.
-        num_pages = min(budget // page_bytes(model, config.page_size), config.max_num_seqs * pages_per_seq + 1)
+        num_pages = min(budget_pages, config.max_num_seqs * pages_per_seq + 1)
         need = pages_per_seq + 1  # one full-length sequence, plus scratch
         if num_pages < need:
             raise ConfigError(
