@@ -3,7 +3,7 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
-#                             [prefill-tests] [attn-prefill] [attn-kernels]
+#                             [prefill-tests] [attn-prefill] [attn-kernels] [balanced-tests]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [mma] [balanced] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
@@ -80,6 +80,9 @@ print('memcheck sample done')
       [ -f "$ckpt/config.json" ] || python3 -c "import os; from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30, workers=os.cpu_count() or 1)"
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
+    balanced-tests) shift
+      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "balanced" \
+        2>&1 | tee "$OUT/balanced_tests.log" | tail -5 ;;
     attn-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py \
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;

@@ -576,15 +576,18 @@ struct UnitCursor {
     length = token < p.tokens ? BalancedLength(p, token) : 0;
     tiles = BalancedTiles(length);
   }
-  // The unit `unit` (< prefix[tokens]): token t holds units prefix[t] .. prefix[t + 1] - 1.
-  __device__ __forceinline__ void Seek(const Params& p, int unit) {
+  // The unit `unit` (< prefix[tokens]): token t holds units prefix[t] .. prefix[t + 1] - 1. The
+  // search runs over `staged`, a shared-memory copy of prefix[0 .. staged_count) (its first
+  // entries, where all of prefix does not fit), then global memory: each step of it in global
+  // memory is a dependent round trip before the CTA's first copy can issue.
+  __device__ __forceinline__ void Seek(const Params& p, const int32_t* staged, int staged_count, int unit) {
     int lo = 0, hi = p.tokens;  // prefix[lo] <= unit < prefix[hi]
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
-      if (p.prefix[mid] <= unit) lo = mid; else hi = mid;
+      if ((mid < staged_count ? staged[mid] : p.prefix[mid]) <= unit) lo = mid; else hi = mid;
     }
     Load(p, lo);
-    const int offset = unit - p.prefix[lo];
+    const int offset = unit - (lo < staged_count ? staged[lo] : p.prefix[lo]);
     h = offset / tiles, j = offset % tiles;
   }
   __device__ __forceinline__ void Next(const Params& p) {
@@ -614,8 +617,15 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeBalancedKernel(Params 
   const unsigned char* v_pool = static_cast<const unsigned char*>(p.v);
   const size_t slot_bytes = (size_t)p.kv_heads * S::kRowBytes;
 
+  // prefix into shared memory (one coalesced pass) for the cursor's search: a CTA's start is
+  // found without a chain of dependent global loads.
+  constexpr int kStagedPrefix = 640;  // 2.5 KB: keeps three CTAs per SM at 70 KB of tiles each
+  __shared__ int32_t sm_prefix[kStagedPrefix];
+  const int staged = min(p.tokens + 1, kStagedPrefix);
+  for (int i = threadIdx.x; i < staged; i += kWarps * 32) sm_prefix[i] = p.prefix[i];
+  __syncthreads();
   UnitCursor fetch, work;  // the next unit to copy, and the unit being computed
-  fetch.Seek(p, begin);
+  fetch.Seek(p, sm_prefix, staged, begin);
   work = fetch;
   auto issue = [&](int i) {
     if (i < n) {
@@ -669,8 +679,12 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeBalancedKernel(Params 
 
 // grid (T, KV), D threads: the states that PagedDecodeBalancedKernel cut at CTA boundaries, merged
 // as MergeSplitsKernel merges splits; a (token, kv head) one CTA finished was written already, and
-// one with no keys gets zeros.
+// one with no keys gets zeros. A state may span hundreds of CTAs (one sequence over the whole GPU):
+// the threads find their partials' slots side by side, D CTAs at a time, and each thread then folds
+// them into its (g, d) outputs' running (max, sum, o).
 __global__ void MergeBalancedKernel(Params p, int G, int D) {
+  constexpr int kMaxG = 8;
+  __shared__ int sm_slot[128];  // blockDim.x (= D) <= 128
   const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
   const int tiles = BalancedTiles(BalancedLength(p, t));
   float* out = p.out + ((size_t)t * p.kv_heads + h) * G * D + d;
@@ -683,30 +697,34 @@ __global__ void MergeBalancedKernel(Params p, int G, int D) {
   auto cta_of = [&](long long u) { return (int)(((u + 1) * p.ctas - 1) / units); };  // max c: start(c) <= u
   auto start_of = [&](long long c) { return c * units / p.ctas; };
   const int c0 = cta_of(first_unit), c1 = cta_of(last_unit);
-  if (c0 == c1) return;
-  for (int g = 0; g < G; ++g) {
+  if (c0 == c1) return;  // uniform across the block
+  float mx[kMaxG], lsum[kMaxG], o[kMaxG];
+  for (int g = 0; g < G; ++g) mx[g] = -INFINITY, lsum[g] = 0.f, o[g] = 0.f;
+  for (int base = c0; base <= c1; base += blockDim.x) {
     // CTA c0 holds this state in slot 0 if it is c0's first, else in slot 1 (c0's last); the CTAs
     // after c0 start inside it (slot 0). CTAs with no units (only when units < ctas) hold nothing.
-    auto ml = [&](int c) {
-      const int slot = c == c0 && start_of(c0) != first_unit ? 1 : 0;
-      return ((size_t)c * 2 + slot) * G + g;
-    };
-    float mx = -INFINITY;
-    for (int c = c0; c <= c1; ++c) {
-      if (start_of(c) < start_of(c + 1)) mx = fmaxf(mx, p.part_ml[ml(c) * 2]);
-    }
-    float lsum = 0.f, o = 0.f;
-    if (mx > -INFINITY) {
-      for (int c = c0; c <= c1; ++c) {
-        if (start_of(c) == start_of(c + 1)) continue;
-        const size_t part = ml(c);
-        const float w = __expf(p.part_ml[part * 2] - mx);
-        lsum += p.part_ml[part * 2 + 1] * w;
-        o += p.part_o[part * D + d] * w;
+    const int c = base + d;
+    int slot = -1;
+    if (c <= c1 && start_of(c) < start_of(c + 1)) slot = c * 2 + (c == c0 && start_of(c0) != first_unit ? 1 : 0);
+    __syncthreads();  // the previous chunk's slots are read
+    sm_slot[d] = slot;
+    __syncthreads();
+    const int count = min((int)blockDim.x, c1 - base + 1);
+    for (int i = 0; i < count; ++i) {
+      if (sm_slot[i] < 0) continue;
+      for (int g = 0; g < G; ++g) {
+        const size_t part = (size_t)sm_slot[i] * G + g;
+        const float m_part = p.part_ml[part * 2];
+        if (m_part == -INFINITY) continue;
+        const float next = fmaxf(mx[g], m_part);
+        const float keep = __expf(mx[g] - next), add = __expf(m_part - next);  // exp(-inf) = 0 at the start
+        lsum[g] = lsum[g] * keep + p.part_ml[part * 2 + 1] * add;
+        o[g] = o[g] * keep + p.part_o[part * D + d] * add;
+        mx[g] = next;
       }
     }
-    out[g * D] = lsum > 0.f ? o / lsum : 0.f;
   }
+  for (int g = 0; g < G; ++g) out[g * D] = lsum[g] > 0.f ? o[g] / lsum[g] : 0.f;
 }
 
 // grid (B, KV * G), D threads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
