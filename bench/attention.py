@@ -4,18 +4,12 @@ side by side in one process (H200; not a test).
     python bench/attention.py [--json out.json]
 
 Peers: our CUDA kernel (``paged_attention(backend="kernel")``, bf16 and FP8 pages; ``kernel`` the
-tensor-core kernel the engine runs for bf16 compute ("balanced": equal shares of 64-key tiles over
-one wave of CTAs), ``kernel_mma`` the tensor-core kernel with per-sequence splits it replaced,
-``kernel_staged`` the cp.async-staged
+tensor-core ("mma") kernel the engine runs for bf16 compute, ``kernel_staged`` the cp.async-staged
 CUDA-core kernel that serves float32 compute), the XLA path the
 engine runs without it (``backend="xla"``: gather the rows' pages, two einsums), and jax's Pallas GPU
 ``paged_attention`` (Triton; pages [kv_heads, pages, page, d], k_splits 1/4/16). Pages are shuffled
 over the pool, as a running engine leaves them. Reported: microseconds per call (median, timing.py:
 distinct pools per call so nothing stays in L2), and the bandwidth of the KV bytes actually used.
-
-    python bench/attention.py --kernels balanced,mma [--shapes 64x1024,256x1024] [--json out.json]
-
-Only the decode kernels' GPU time (CUPTI), variant beside variant.
 
     python bench/attention.py --prefill [--json out.json]
 
@@ -75,10 +69,9 @@ def ours(q, pool, tables, positions, backend, fp8):
                            block_tables=tables, dtype=jnp.bfloat16, backend=backend)
 
 
-def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits", "MergeBalanced")) -> float:
-    """GPU time per call of our kernels alone (by default the decode kernel and its merge; CUPTI), so
-    the bandwidth is the kernel's and not the dispatch's. (The balanced kernel's unit offsets are an
-    XLA cumsum over the tokens, computed once per engine step for all layers: not counted.)"""
+def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> float:
+    """GPU time per call of our kernels alone (by default the decode kernel and its split merge;
+    CUPTI), so the bandwidth is the kernel's and not the dispatch's."""
     program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
     jax.block_until_ready(program(xs, ws))
     times = kernel_times(lambda: jax.block_until_ready(program(xs, ws)))
@@ -116,26 +109,6 @@ def sweep_splits(splits: list[int], shapes=SHAPES) -> list[dict]:
                     attention.DECODE_SPLITS = None
             rows.append(line)
             cells = " ".join(f"{n}{'*' if n == auto else ''}:{line[n]:.0f}" for n in splits)
-            print(f"batch {batch:4d} x {context:5d} {name}: {cells}", flush=True)
-            del pools
-    return rows
-
-
-def compare_kernels(variants: list[str], shapes=SHAPES) -> list[dict]:
-    """GPU time (CUPTI) of each decode kernel variant per shape and pool dtype, with kernel_splits'
-    choice of splits for the split kernels: the balanced kernel against the one it replaces."""
-    rows = []
-    print("# decode kernels, GPU us per call (TB/s of the KV bytes in use)")
-    for batch, context in shapes:
-        for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
-            q, pools, tables, positions = make(batch, context, dtype, batch + context)
-            kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
-            line = {"batch": batch, "context": context, "pages": name}
-            for variant in variants:
-                fn = (lambda v: lambda x, w: with_kernel(v, x, w, tables, positions, "kernel", name == "fp8"))(variant)
-                line[variant] = kernel_only_seconds(fn, [q] * len(pools), pools) * 1e6
-            rows.append(line)
-            cells = " ".join(f"{v} {line[v]:.1f} ({kv_bytes / line[v] / 1e6:.2f})" for v in variants)
             print(f"batch {batch:4d} x {context:5d} {name}: {cells}", flush=True)
             del pools
     return rows
@@ -220,17 +193,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--splits", help="comma-separated splits to sweep (only the sweep runs)")
-    ap.add_argument("--shapes", help="with --splits/--kernels: comma-separated BATCHxCONTEXT (default: all of SHAPES)")
+    ap.add_argument("--shapes", help="with --splits: comma-separated BATCHxCONTEXT (default: all of SHAPES)")
     ap.add_argument("--prefill", action="store_true", help="prompt steps: the prefill kernel vs XLA (only they run)")
-    ap.add_argument("--kernels", help="comma-separated decode kernels to compare, e.g. balanced,mma (only they run)")
     args = ap.parse_args()
-    if args.prefill or args.splits or args.kernels:  # a mode of its own: only it runs
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    if args.prefill or args.splits:  # a mode of its own: only it runs
         if args.prefill:
             rows = prefill_steps()
-        elif args.kernels:
-            rows = compare_kernels(args.kernels.split(","), shapes)
         else:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
             rows = sweep_splits([int(x) for x in args.splits.split(",")], shapes)
         if args.json:
             with open(args.json, "w") as f:
@@ -245,7 +215,6 @@ def main():
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
             kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
             peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
-                     "kernel_mma": lambda x, w: with_kernel("mma", x, w, tables, positions, "kernel", name == "fp8"),
                      "kernel_staged": lambda x, w: with_kernel("staged", x, w, tables, positions, "kernel", name == "fp8"),
                      "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
             if name == "bf16":

@@ -3,8 +3,8 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
-#                             [prefill-tests] [attn-prefill] [attn-kernels] [balanced-tests]
-#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [mma] [balanced] [noprefill] [engine K=V[,K=V]]...]
+#                             [prefill-tests] [attn-prefill]
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
@@ -13,7 +13,6 @@
 #   of 700 tokens, (b)'s steady state).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
 # prefill-tests / attn-prefill: the prefill kernel's tests; its GPU time on the engine's prompt-step shapes vs XLA.
-# attn-kernels: the balanced decode kernel's GPU time beside the split one (ATTN_SHAPES overrides the shapes).
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
@@ -80,9 +79,6 @@ print('memcheck sample done')
       [ -f "$ckpt/config.json" ] || python3 -c "import os; from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30, workers=os.cpu_count() or 1)"
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
-    balanced-tests) shift
-      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "balanced" \
-        2>&1 | tee "$OUT/balanced_tests.log" | tail -5 ;;
     attn-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py \
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
@@ -94,9 +90,6 @@ print('memcheck sample done')
     prefill-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "prefill" \
         2>&1 | tee "$OUT/prefill_tests.log" | tail -15 ;;
-    attn-kernels) shift
-      python3 bench/attention.py --kernels balanced,mma --shapes "${ATTN_SHAPES:-1x1024,1x4096,64x1024,64x4096,256x1024,512x512}" \
-        --json "$OUT/attention_kernels.json" 2>&1 | tee "$OUT/attention_kernels.log" | tail -20 ;;
     attn-splits) shift
       python3 bench/attention.py --splits 1,2,3,4,6,8 --json "$OUT/attention_splits.json" 2>&1 \
         | tee "$OUT/attention_splits.log" | tail -20 ;;
@@ -106,11 +99,10 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = mma ] || [ "$1" = balanced ] || [ "$1" = noprefill ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention-kernel staged)
-        [ "$1" = mma ] && extra+=(--attention-kernel mma); [ "$1" = balanced ] && extra+=(--attention-kernel balanced)
         [ "$1" = noprefill ] && extra+=(--prefill-kernel off)
         tag+="_$1"; shift
       done

@@ -216,7 +216,7 @@ def main():
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
                     help="after the workloads, the GPU kernels of these workloads' decode and prompt steps "
                          "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state)")
-    ap.add_argument("--attention-kernel", choices=["balanced", "mma", "staged"], default="mma",
+    ap.add_argument("--attention-kernel", choices=["mma", "staged"], default="mma",
                     help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
                     help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")

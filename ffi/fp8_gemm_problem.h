@@ -132,28 +132,20 @@ inline ffi::Error ParseFp8GemmProblem(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
 
 // The op's operands and attributes in order, appended to a handler's binding (which may start
 // with platform context such as the CUDA stream), so both handlers declare exactly the same op.
-// kWorkspace: a second result, the uint8 workspace of the CUDA stream-K configurations.
-template <bool kWorkspace = false, typename Binding>
+template <typename Binding>
 auto BindFp8GemmOperands(Binding binding) {
-  auto results = std::move(binding).template Arg<ffi::AnyBuffer>()  // a [M, K] e4m3fn (bindings are rvalue-built)
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // a [M, K] e4m3fn (bindings are rvalue-built)
       .template Arg<ffi::AnyBuffer>()            // b [N, K] e4m3fn
       .RemainingArgs()                           // row_scale, col_scale, bias, out_init (optional)
-      .template Ret<ffi::AnyBuffer>();           // out [M, N]
-  auto attrs = [](auto&& b) {  // by reference: bindings move only into bindings
-    return std::move(b).template Attr<float>("alpha")
-        .template Attr<bool>("has_row_scale")
-        .template Attr<bool>("has_col_scale")
-        .template Attr<bool>("has_bias")
-        .template Attr<bool>("has_out_init")
-        .template Attr<int32_t>("tile")
-        .template Attr<int32_t>("swizzle")
-        .template Attr<int32_t>("raster");
-  };
-  if constexpr (kWorkspace) {
-    return attrs(std::move(results).template Ret<ffi::AnyBuffer>());  // workspace [bytes] uint8
-  } else {
-    return attrs(std::move(results));
-  }
+      .template Ret<ffi::AnyBuffer>()            // out [M, N]
+      .template Attr<float>("alpha")
+      .template Attr<bool>("has_row_scale")
+      .template Attr<bool>("has_col_scale")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_out_init")
+      .template Attr<int32_t>("tile")
+      .template Attr<int32_t>("swizzle")
+      .template Attr<int32_t>("raster");
 }
 
 }  // namespace modelopt_jax

@@ -70,30 +70,6 @@ def test_every_compiled_config_is_correct():
             _check(m, 2048, 1024, "scalar", jnp.float16, seed=tile * 100 + m + 1, tile=tile)
 
 
-def _stream_k_configs() -> list[int]:
-    return [i for i in range(native.config_count()) if "streamk" in native.config_name(i)]
-
-
-def test_stream_k_configs_get_their_workspace_and_are_correct():
-    """The stream-K configurations split K across CTAs and fix up partial tiles in a workspace: the
-    traced call must hold the op with the workspace result, and every M, epilogue and K-split they
-    meet (a K shorter than one split, K not a multiple of the split) must be exact."""
-    tiles = _stream_k_configs()
-    if not tiles:
-        pytest.skip("no stream-K configuration compiled for this GPU")
-    for tile in tiles:
-        assert native.gemm_workspace_bytes(64, 4096, 4096, tile, True, True) > 0
-        x = jnp.zeros((64, 4096), jnp.float8_e4m3fn)
-        w = jnp.zeros((4096, 4096), jnp.float8_e4m3fn)
-        hlo = jax.jit(lambda a, b: ffi_fp8_gemm(a, b, x_scale=0.5, w_scale=0.5, bias=None, out_dtype=jnp.bfloat16,
-                                                tile=tile)).lower(x, w).as_text()
-        assert "modelopt_fp8_gemm_workspace" in hlo
-        for m, n, k in [(1, 4096, 4096), (33, 4096, 14336), (64, 4096, 4096), (64, 6144, 4096), (128, 4096, 256),
-                        (300, 1024, 1040)]:
-            _check(m, n, k, "row_col_bias", jnp.bfloat16, seed=tile * 1000 + m + k, tile=tile)
-            _check(m, n, k, "scalar", jnp.float16, seed=tile * 1000 + m + k + 1, tile=tile)
-
-
 @pytest.mark.parametrize("swizzle,raster", [(2, 0), (8, 1), (4, 2)])
 @pytest.mark.parametrize("m", [1, 300, 1000])
 def test_scheduler_options_are_correct(swizzle, raster, m):

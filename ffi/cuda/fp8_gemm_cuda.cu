@@ -47,26 +47,10 @@ const char* StatusText(LaunchStatus s) {
   return "unknown";
 }
 
-// The configuration table of `info`'s architecture and the index of its configuration for
-// M x N x K (`tile` >= 0 forces one); table null where none is compiled for it.
-const KernelConfig* ConfigTable(const DeviceInfo& info, int m, int n, int k, int tile, int* count, int* index) {
-  const KernelConfig* table = nullptr;
-  int chosen = -1;
-  *count = 0;
-#ifdef MODELOPT_JAX_HAVE_SM90
-  if (info.major == 9) table = kSm90Configs, *count = kNumSm90Configs, chosen = ChooseSm90Config(m, n, k);
-#endif
-#ifdef MODELOPT_JAX_HAVE_SM100
-  if (info.major == 10) table = kSm100Configs, *count = kNumSm100Configs, chosen = ChooseSm100Config(m, n, k);
-#endif
-  *index = tile >= 0 ? tile : chosen;
-  return table;
-}
-
-ffi::Error Fp8GemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
-                           ffi::Result<ffi::AnyBuffer> out, void* workspace, size_t workspace_bytes, float alpha,
-                           bool has_row_scale, bool has_col_scale, bool has_bias, bool has_out_init, int32_t tile,
-                           int32_t swizzle, int32_t raster) {
+ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                       ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale,
+                       bool has_col_scale, bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle,
+                       int32_t raster) {
   Fp8GemmProblem p;
   if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init,
                                    tile, swizzle, raster, &p);
@@ -82,14 +66,21 @@ ffi::Error Fp8GemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   if (cudaGetDevice(&device) != cudaSuccess) return ffi::Error::Internal("modelopt_fp8_gemm: cudaGetDevice failed");
   const DeviceInfo info = GetDeviceInfo(device);
 
+  const KernelConfig* table = nullptr;
+  int count = 0, chosen = -1;
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  int count = 0, index = -1;
-  const KernelConfig* table = ConfigTable(info, m, n, k, p.tile, &count, &index);
+#ifdef MODELOPT_JAX_HAVE_SM90
+  if (info.major == 9) table = kSm90Configs, count = kNumSm90Configs, chosen = ChooseSm90Config(m, n, k);
+#endif
+#ifdef MODELOPT_JAX_HAVE_SM100
+  if (info.major == 10) table = kSm100Configs, count = kNumSm100Configs, chosen = ChooseSm100Config(m, n, k);
+#endif
   if (table == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "modelopt_fp8_gemm: no kernel compiled for compute capability " + std::to_string(info.major) +
                           "." + std::to_string(info.minor) + " (built for sm90a/sm100a)");
   }
+  const int index = p.tile >= 0 ? p.tile : chosen;
   if (index >= count) {
     return Invalid("tile " + std::to_string(index) + " out of range (" + std::to_string(count) +
                    " compiled for compute capability " + std::to_string(info.major) + "." +
@@ -110,7 +101,6 @@ ffi::Error Fp8GemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   args.alpha = p.alpha;
   args.stream = stream, args.device = device, args.sm_count = info.sm_count;
   args.swizzle = p.swizzle, args.raster = p.raster;
-  args.workspace = workspace, args.workspace_bytes = workspace_bytes;
   LaunchStatus status = table[index].run(args);
   if (status != LaunchStatus::kOk) {
     return ffi::Error::Internal(std::string("modelopt_fp8_gemm [") + table[index].name + "] M=" + std::to_string(m) +
@@ -122,26 +112,6 @@ ffi::Error Fp8GemmCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
-                       ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale, bool has_col_scale,
-                       bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle, int32_t raster) {
-  return Fp8GemmCudaImpl(stream, a, b, extra, out, nullptr, 0, alpha, has_row_scale, has_col_scale, has_bias,
-                         has_out_init, tile, swizzle, raster);
-}
-
-// The op with a second result: the workspace a stream-K configuration needs (uint8, its size from
-// ModeloptFp8GemmWorkspaceBytes when the call was traced).
-ffi::Error Fp8GemmCudaWorkspace(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
-                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, float alpha,
-                                bool has_row_scale, bool has_col_scale, bool has_bias, bool has_out_init,
-                                int32_t tile, int32_t swizzle, int32_t raster) {
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1) {
-    return Invalid("the workspace result must be a 1-D uint8 buffer");
-  }
-  return Fp8GemmCudaImpl(stream, a, b, extra, out, workspace->untyped_data(), workspace->size_bytes(), alpha,
-                         has_row_scale, has_col_scale, has_bias, has_out_init, tile, swizzle, raster);
-}
-
 }  // namespace
 }  // namespace modelopt_jax::cuda
 
@@ -149,35 +119,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCuda, modelopt_jax::cuda::Fp8GemmCu
                               modelopt_jax::BindFp8GemmOperands(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCudaWorkspace, modelopt_jax::cuda::Fp8GemmCudaWorkspace,
-                              modelopt_jax::BindFp8GemmOperands</*kWorkspace=*/true>(
-                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-// Bytes of workspace the configuration that serves M x N x K on the current device (or `tile`, if
-// >= 0) needs, for the given output type and epilogue kind: 0 for all but stream-K ones, -1 where
-// no GPU or configuration answers. Asked by modelopt_jax.ops.ffi_gemm when a call is traced.
-extern "C" long long ModeloptFp8GemmWorkspaceBytes(int m, int n, int k, int tile, int out_bf16, int vector) {
-  using namespace modelopt_jax::cuda;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();  // no GPU here: clear the sticky error
-    return -1;
-  }
-  const DeviceInfo info = GetDeviceInfo(device);
-  int count = 0, index = -1;
-  const KernelConfig* table = ConfigTable(info, m, n, k, tile, &count, &index);
-  if (table == nullptr || index < 0 || index >= count) return -1;
-  static const float kOne = 1.0f;
-  size_t bytes = 0;
-  LaunchArgs args;
-  args.m = m, args.n = n, args.k = k, args.out_bf16 = out_bf16 != 0;
-  if (vector) args.col_scale = &kOne;  // any non-null vector selects the vector epilogue; nothing is read
-  args.device = device, args.sm_count = info.sm_count;
-  args.workspace_query = &bytes;
-  if (table[index].run(args) != LaunchStatus::kOk) return -1;
-  return static_cast<long long>(bytes);
-}
 
 // Names of the compiled configurations, for the tuning script: returns the count, and copies the
 // name of configuration `index` (for compute capability `major`) into `buffer`.

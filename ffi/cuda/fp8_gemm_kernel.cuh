@@ -114,18 +114,11 @@ struct Fp8Gemm {
   static LaunchStatus Run(const LaunchArgs& p) {
     Gemm gemm;
     auto args = MakeArguments(p);
-    const size_t workspace = Gemm::get_workspace_size(args);
-    if (p.workspace_query != nullptr) {
-      *p.workspace_query = workspace;
-      return LaunchStatus::kOk;
-    }
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return LaunchStatus::kCannotImplement;
-    // A stream-K configuration needs the workspace the caller sized with a workspace query; never
-    // hand CUTLASS a null or short one.
-    if (workspace > p.workspace_bytes || (workspace > 0 && p.workspace == nullptr)) return LaunchStatus::kWorkspace;
-    if (gemm.initialize(args, workspace > 0 ? p.workspace : nullptr, p.stream) != cutlass::Status::kSuccess) {
-      return LaunchStatus::kInitialize;
-    }
+    // The persistent (non stream-K) schedulers used here need no workspace; refuse rather than
+    // hand CUTLASS a null pointer if a future configuration does.
+    if (Gemm::get_workspace_size(args) > 0) return LaunchStatus::kWorkspace;
+    if (gemm.initialize(args, nullptr, p.stream) != cutlass::Status::kSuccess) return LaunchStatus::kInitialize;
     if (gemm.run(p.stream) != cutlass::Status::kSuccess) return LaunchStatus::kRun;
     return LaunchStatus::kOk;
   }

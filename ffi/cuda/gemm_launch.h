@@ -24,11 +24,6 @@ struct LaunchArgs {
   int sm_count = 0;
   int swizzle = 1;  // persistent scheduler: tiles swizzled in groups of 1, 2, 4 or 8 (L2 reuse)
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
-  // Stream-K configurations keep partial tiles and flags in a workspace the op's second result
-  // provides (zeroed by CUTLASS on the stream each call); the others need none.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
-  size_t* workspace_query = nullptr;  // set: only store the bytes this call would need, launch nothing
 };
 
 enum class LaunchStatus { kOk, kCannotImplement, kWorkspace, kInitialize, kRun };

@@ -18,7 +18,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -36,7 +35,6 @@ constexpr int kWarps = 4;
 constexpr int kChunkPages = 256;  // page ids a CTA stages in shared memory at a time
 constexpr float kFloor = -1e30f;  // running max's start: finite, so exp(floor - floor) is 1, never NaN
 constexpr int kStagedKernel = 1, kMmaKernel = 2;  // the "variant" attribute (0 was a register kernel, removed)
-constexpr int kBalancedKernel = 3;                 // PagedDecodeBalancedKernel: its own FFI op, no attribute
 
 struct Params {
   const float* q;          // [T, H, D]
@@ -50,11 +48,6 @@ struct Params {
   int kv_heads, table_width, page, page_shift, splits;  // page_shift: log2(page), or -1
   float q_scale, v_scale;  // softmax scale (x FP8 key scale); FP8 value scale (1 otherwise)
   int variant;             // kStagedKernel or kMmaKernel
-  // The balanced kernel only: T, prefix[t] = kv_heads x the 64-key tiles of tokens before t
-  // ([T + 1]), and the grid's CTAs (part_o [ctas, 2, G, D], part_ml [ctas, 2, G, 2]).
-  int tokens;
-  const int32_t* prefix;
-  int ctas;
 };
 
 // How a lane loads and converts its slice of a key/value row: kElems elements in one load.
@@ -326,14 +319,6 @@ constexpr int kMmaKeys = 64;
 constexpr int kMmaStages = MODELOPT_JAX_DECODE_STAGES;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-// The balanced kernel's view of a token's keys: its length, never past its block-table row (so a
-// length the table cannot hold reads no page id beyond the row), and its 64-key tiles. The jax
-// wrapper computes prefix from the same clamp (modelopt_jax.ops.attention.balanced_prefix).
-__device__ __forceinline__ int BalancedLength(const Params& p, int t) {
-  return max(0, min(p.lengths[t], p.table_width * p.page));
-}
-__device__ __forceinline__ int BalancedTiles(int length) { return (length + kMmaKeys - 1) / kMmaKeys; }
-
 template <typename T, int D, int G>
 struct MmaTiles {
   static constexpr int kRowBytes = D * (int)sizeof(T);
@@ -344,61 +329,77 @@ struct MmaTiles {
   static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
-// One (token, kv head)'s online-softmax state in the MMA decode kernels, and the steps both of them
-// take: load the token's G query rows, issue a 64-key tile's copies, fold a landed tile in, and merge
-// the 4 warps' states into the result.
 template <typename T, int D, int G>
-struct MmaDecodeState {
+__global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
   using M = attention::Mma<T>;
   using F = attention::Fragments<T>;
   using S = MmaTiles<T, D, G>;
   static_assert(G <= 8, "the heads of a token fill MMA rows 0..7");
+  extern __shared__ __align__(16) unsigned char smem[];
 
-  uint32_t qa[D / 16][2];
-  float o[D / 8][2];
-  float m, l;  // row gq's running max (base 2) and this lane's share of its sum
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gq = lane / 4, tq = lane % 4;  // fragment row (= head, where < G) and column pair
+  const int H = p.kv_heads * G;
+
+  const int length = p.lengths[b];
+  const int seq_pages = (length + p.page - 1) / p.page;
+  const int per_split = (seq_pages + p.splits - 1) / p.splits;
+  const int page_begin = split * per_split;
+  const int page_end = min(seq_pages, page_begin + per_split);
+  const int tok_begin = page_begin * p.page;
+  const int tok_end = min(length, page_end * p.page);
+  const int tiles = tok_end > tok_begin ? (tok_end - tok_begin + kMmaKeys - 1) / kMmaKeys : 0;
 
   // Q as A fragments: row gq's columns (c, c + 1) and (c + 8, c + 9) of each 16-column k-step;
-  // rows 8..15 (a1, a3) are zeros. q_rows: the G query rows of this (token, kv head).
-  __device__ __forceinline__ void Start(const float* q_rows, int gq, int tq) {
-    const float* qg = gq < G ? q_rows + (size_t)gq * D : nullptr;
+  // rows 8..15 (a1, a3) are zeros.
+  uint32_t qa[D / 16][2];
+  const float* qg = gq < G ? p.q + ((size_t)b * H + kvh * G + gq) * D : nullptr;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int c = kk * 16 + 2 * tq;
-      const float2 x = qg ? *reinterpret_cast<const float2*>(qg + c) : make_float2(0.f, 0.f);
-      const float2 y = qg ? *reinterpret_cast<const float2*>(qg + c + 8) : make_float2(0.f, 0.f);
-      qa[kk][0] = M::pack(x.x, x.y), qa[kk][1] = M::pack(y.x, y.y);
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = 0.f;
-    m = kFloor, l = 0.f;
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tq;
+    const float2 x = qg ? *reinterpret_cast<const float2*>(qg + c) : make_float2(0.f, 0.f);
+    const float2 y = qg ? *reinterpret_cast<const float2*>(qg + c + 8) : make_float2(0.f, 0.f);
+    qa[kk][0] = M::pack(x.x, x.y), qa[kk][1] = M::pack(y.x, y.y);
   }
+  const float scale = p.q_scale * kLog2e;
+  float o[D / 8][2];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = 0.f;
+  float m = kFloor, l = 0.f;  // row gq's running max (base 2) and this lane's share of its sum
 
-  // All 128 threads copy the keys and values at positions pos0 .. pos0 + 63 of one sequence (its
-  // block-table row `table`) into `stage` ([K tile, V tile]); positions >= end are zero-filled (a
-  // value must not be NaN where P is 0). k_head / v_head: the pools offset to this kv head's row.
-  static __device__ __forceinline__ void Issue(unsigned char* stage, const unsigned char* k_head,
-                                               const unsigned char* v_head, size_t slot_bytes,
-                                               const int32_t* table, const Params& p, int pos0, int end) {
-    constexpr int kChunks = S::kRowBytes / 16;
-    for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kWarps * 32) {
-      const int key = c / kChunks, part = c % kChunks;
-      const int pos = pos0 + key;
-      const bool valid = pos < end;
-      size_t offset = part * 16;
-      if (valid) {
-        const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page;
-        offset += ((size_t)table[pg] * p.page + (pos - pg * p.page)) * slot_bytes;
+  const unsigned char* kbase = static_cast<const unsigned char*>(p.k) + (size_t)kvh * S::kRowBytes;
+  const unsigned char* vbase = static_cast<const unsigned char*>(p.v) + (size_t)kvh * S::kRowBytes;
+  const size_t slot_bytes = (size_t)p.kv_heads * S::kRowBytes;
+  const int32_t* table = p.tables + (size_t)b * p.table_width;
+
+  auto issue = [&](int tile) {
+    if (tile < tiles) {
+      unsigned char* stage = smem + (tile % kMmaStages) * 2 * S::kTileBytes;
+      constexpr int kChunks = S::kRowBytes / 16;
+      for (int c = threadIdx.x; c < kMmaKeys * kChunks; c += kWarps * 32) {
+        const int key = c / kChunks, part = c % kChunks;
+        const int pos = tok_begin + tile * kMmaKeys + key;
+        const bool valid = pos < tok_end;
+        size_t offset = part * 16;
+        if (valid) {
+          const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page;
+          offset += ((size_t)table[pg] * p.page + (pos - pg * p.page)) * slot_bytes;
+        }
+        attention::CopyAsync16(stage + key * S::kStride + part * 16, kbase + offset, valid);
+        attention::CopyAsync16(stage + S::kTileBytes + key * S::kStride + part * 16, vbase + offset, valid);
       }
-      attention::CopyAsync16(stage + key * S::kStride + part * 16, k_head + offset, valid);
-      attention::CopyAsync16(stage + S::kTileBytes + key * S::kStride + part * 16, v_head + offset, valid);
     }
-  }
+    attention::CommitAsync();  // an empty group past the last tile keeps the wait count uniform
+  };
 
-  // Warp w scores keys 16w .. 16w + 15 of the landed stage (positions pos0 + ..., masked from end
-  // on) and folds them into its state. Exponentials run in base 2: `scale` carries log2(e).
-  __device__ __forceinline__ void Consume(const unsigned char* ks, int warp, int gq, int tq, int pos0, int end,
-                                          float scale) {
+#pragma unroll
+  for (int s = 0; s + 1 < kMmaStages; ++s) issue(s);
+  for (int tile = 0; tile < tiles; ++tile) {
+    issue(tile + kMmaStages - 1);
+    attention::WaitAsync<kMmaStages - 1>();  // this thread's copies of `tile` have landed...
+    __syncthreads();                          // ...and everyone's
+    const unsigned char* ks = smem + (tile % kMmaStages) * 2 * S::kTileBytes;
     const unsigned char* vs = ks + S::kTileBytes;
     const int key0 = warp * 16;
     float sc[2][4];
@@ -412,13 +413,13 @@ struct MmaDecodeState {
         M::run(sc[j], a, F::KeyPair(ks, S::kStride, row, col), F::KeyPair(ks, S::kStride, row, col + 8));
       }
     }
-    const int first = pos0 + key0 + 2 * tq;  // position of sc[0][0]
+    const int first = tok_begin + tile * kMmaKeys + key0 + 2 * tq;  // position of sc[0][0]
     float mx = kFloor;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        sc[j][e] = first + j * 8 + e < end ? sc[j][e] * scale : -INFINITY;
+        sc[j][e] = first + j * 8 + e < tok_end ? sc[j][e] * scale : -INFINITY;
         mx = fmaxf(mx, sc[j][e]);
       }
     }
@@ -443,288 +444,44 @@ struct MmaDecodeState {
       M::run(c, pa, F::ValuePair(vs, S::kStride, row, col), F::ValuePair(vs, S::kStride, row + 8, col));
       o[n][0] = c[0], o[n][1] = c[1];
     }
-  }
-
-  // Merges the 4 warps' states (rows gq < G) through `scratch` (kWarps * G * D floats of shared
-  // memory no thread touches from the caller's barrier before this call to the barrier that ends
-  // it) and hands each (g, d) to write(g, d, o, max in natural units, sum), o not yet divided.
-  template <typename Write>
-  __device__ __forceinline__ void Finish(float* scratch, float (*sm_m)[G], float (*sm_l)[G], int warp, int gq,
-                                         int tq, Write write) {
-    static_assert(kWarps * G * D * sizeof(float) <= 2 * S::kTileBytes, "the merge fits in one (K, V) stage");
-    float lsum_lane = l;
-    lsum_lane += __shfl_xor_sync(0xffffffffu, lsum_lane, 1);
-    lsum_lane += __shfl_xor_sync(0xffffffffu, lsum_lane, 2);
-    if (gq < G) {
-      if (tq == 0) sm_m[warp][gq] = m, sm_l[warp][gq] = lsum_lane;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        float* dst = scratch + ((size_t)warp * G + gq) * D + n * 8 + 2 * tq;
-        dst[0] = o[n][0], dst[1] = o[n][1];
-      }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
-      const int g = idx / D, d = idx % D;
-      float mx = kFloor;
-      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
-      float lsum = 0.f, acc = 0.f;
-      for (int w = 0; w < kWarps; ++w) {
-        const float c = exp2f(sm_m[w][g] - mx);
-        lsum += sm_l[w][g] * c;
-        acc += scratch[((size_t)w * G + g) * D + d] * c;
-      }
-      write(g, d, acc, mx * kLn2, lsum);
-    }
-    __syncthreads();
-  }
-};
-
-// Writes one (g, d) of a merged state: the normalised output, or a partial (o, m, l) for a merge kernel.
-__device__ __forceinline__ void WriteFinal(float* out, float v_scale, float acc, float lsum) {
-  *out = lsum > 0.f ? acc * v_scale / lsum : 0.f;
-}
-__device__ __forceinline__ void WritePartial(float* part_o, float* part_ml, bool first_d, float v_scale, float acc,
-                                             float mx, float lsum) {
-  *part_o = acc * v_scale;
-  if (first_d) part_ml[0] = lsum > 0.f ? mx : -INFINITY, part_ml[1] = lsum;
-}
-
-// The MMA kernel: a token's G query heads are the rows of m16n8k16 tensor-core MMAs (rows G..15
-// are zeros), so scoring a key and adding its value cost a share of two MMAs instead of G dot
-// products, shuffle reductions and FMAs on the CUDA cores -- the instruction stream that holds the
-// staged kernel near 2.4 TB/s on the H200 (about 50 warp instructions per (token, kv head) at G=4).
-// grid (splits, KV, T): all 128 threads stream 64-key tiles of K and V of their split into shared
-// memory with cp.async, kMmaStages deep; warp w scores keys 16w .. 16w + 15 of each tile and keeps
-// its own online-softmax state, and the warps' states merge at the end. The MMAs take bf16
-// operands (f16 for f16 pages): the engine runs this kernel for bf16 compute.
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
-  using State = MmaDecodeState<T, D, G>;
-  using S = MmaTiles<T, D, G>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ float sm_m[kWarps][G], sm_l[kWarps][G];
-
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gq = lane / 4, tq = lane % 4;  // fragment row (= head, where < G) and column pair
-  const int H = p.kv_heads * G;
-
-  const int length = p.lengths[b];
-  const int seq_pages = (length + p.page - 1) / p.page;
-  const int per_split = (seq_pages + p.splits - 1) / p.splits;
-  const int page_begin = split * per_split;
-  const int page_end = min(seq_pages, page_begin + per_split);
-  const int tok_begin = page_begin * p.page;
-  const int tok_end = min(length, page_end * p.page);
-  const int tiles = tok_end > tok_begin ? (tok_end - tok_begin + kMmaKeys - 1) / kMmaKeys : 0;
-
-  State st;
-  st.Start(p.q + ((size_t)b * H + kvh * G) * D, gq, tq);
-  const float scale = p.q_scale * kLog2e;
-  const unsigned char* k_head = static_cast<const unsigned char*>(p.k) + (size_t)kvh * S::kRowBytes;
-  const unsigned char* v_head = static_cast<const unsigned char*>(p.v) + (size_t)kvh * S::kRowBytes;
-  const size_t slot_bytes = (size_t)p.kv_heads * S::kRowBytes;
-  const int32_t* table = p.tables + (size_t)b * p.table_width;
-  auto issue = [&](int tile) {
-    if (tile < tiles) {
-      State::Issue(smem + (tile % kMmaStages) * 2 * S::kTileBytes, k_head, v_head, slot_bytes, table, p,
-                   tok_begin + tile * kMmaKeys, tok_end);
-    }
-    attention::CommitAsync();  // an empty group past the last tile keeps the wait count uniform
-  };
-
-#pragma unroll
-  for (int s = 0; s + 1 < kMmaStages; ++s) issue(s);
-  for (int tile = 0; tile < tiles; ++tile) {
-    issue(tile + kMmaStages - 1);
-    attention::WaitAsync<kMmaStages - 1>();  // this thread's copies of `tile` have landed...
-    __syncthreads();                          // ...and everyone's
-    st.Consume(smem + (tile % kMmaStages) * 2 * S::kTileBytes, warp, gq, tq, tok_begin + tile * kMmaKeys, tok_end,
-               scale);
     __syncthreads();  // the stage is read: the next issue may overwrite it
   }
   attention::WaitAsync<0>();  // only empty groups remain
 
-  float* out = p.out + ((size_t)b * H + kvh * G) * D;
-  const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G;
-  st.Finish(reinterpret_cast<float*>(smem), sm_m, sm_l, warp, gq, tq,
-            [&](int g, int d, float acc, float mx, float lsum) {
-              if (p.splits == 1) {
-                WriteFinal(out + g * D + d, p.v_scale, acc, lsum);
-              } else {
-                WritePartial(p.part_o + (part + g) * D + d, p.part_ml + (part + g) * 2, d == 0, p.v_scale, acc, mx,
-                             lsum);
-              }
-            });
-}
-
-// The work-balanced MMA kernel. The unit of work is one 64-key tile of one (token, kv head); units
-// are numbered token-major, then kv head, then tile (prefix[t] = kv_heads x the tiles of tokens
-// before t), and CTA c of the grid's `ctas` takes units [c U / ctas, (c + 1) U / ctas) of the U in
-// all -- an equal share whatever the lengths, with the grid sized to the CTAs the GPU holds at once,
-// so no CTA waits for a second wave and none idles while others finish long rows (the per-sequence
-// split of PagedDecodeMmaKernel left 116 of 512 CTAs to a second wave at 64 x 1024 on the H200).
-// One cp.async pipeline runs through all of a CTA's units, across (token, kv head) boundaries; a
-// state whose units all fall in this CTA is written out directly, one cut by a CTA boundary as a
-// partial (slot 0: the CTA's first state, slot 1: its last) that MergeBalancedKernel combines.
-struct UnitCursor {
-  int t, h, j, tiles, length;  // token, kv head, tile of that (token, kv head), its tiles and keys
-
-  __device__ __forceinline__ void Load(const Params& p, int token) {
-    t = token;
-    length = token < p.tokens ? BalancedLength(p, token) : 0;
-    tiles = BalancedTiles(length);
-  }
-  // The unit `unit` (< prefix[tokens]): token t holds units prefix[t] .. prefix[t + 1] - 1. The
-  // search runs over `staged`, a shared-memory copy of prefix[0 .. staged_count) (its first
-  // entries, where all of prefix does not fit), then global memory: each step of it in global
-  // memory is a dependent round trip before the CTA's first copy can issue.
-  __device__ __forceinline__ void Seek(const Params& p, const int32_t* staged, int staged_count, int unit) {
-    int lo = 0, hi = p.tokens;  // prefix[lo] <= unit < prefix[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if ((mid < staged_count ? staged[mid] : p.prefix[mid]) <= unit) lo = mid; else hi = mid;
-    }
-    Load(p, lo);
-    const int offset = unit - (lo < staged_count ? staged[lo] : p.prefix[lo]);
-    h = offset / tiles, j = offset % tiles;
-  }
-  __device__ __forceinline__ void Next(const Params& p) {
-    if (++j < tiles) return;
-    j = 0;
-    if (++h < p.kv_heads) return;
-    h = 0;
-    do Load(p, t + 1); while (tiles == 0 && t < p.tokens);
-  }
-};
-
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32) PagedDecodeBalancedKernel(Params p) {
-  using State = MmaDecodeState<T, D, G>;
-  using S = MmaTiles<T, D, G>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  // Merge the 4 warps' states (rows gq < G) in the drained pipeline's memory.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
   __shared__ float sm_m[kWarps][G], sm_l[kWarps][G];
-
-  const long long units = p.prefix[p.tokens];
-  const int begin = (int)(blockIdx.x * units / p.ctas), end = (int)((blockIdx.x + 1) * units / p.ctas);
-  if (begin >= end) return;
-  const int n = end - begin;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gq = lane / 4, tq = lane % 4;
-  const int H = p.kv_heads * G;
-  const unsigned char* k_pool = static_cast<const unsigned char*>(p.k);
-  const unsigned char* v_pool = static_cast<const unsigned char*>(p.v);
-  const size_t slot_bytes = (size_t)p.kv_heads * S::kRowBytes;
-
-  // prefix into shared memory (one coalesced pass) for the cursor's search: a CTA's start is
-  // found without a chain of dependent global loads.
-  constexpr int kStagedPrefix = 640;  // 2.5 KB: keeps three CTAs per SM at 70 KB of tiles each
-  __shared__ int32_t sm_prefix[kStagedPrefix];
-  const int staged = min(p.tokens + 1, kStagedPrefix);
-  for (int i = threadIdx.x; i < staged; i += kWarps * 32) sm_prefix[i] = p.prefix[i];
+  float* sm_o = reinterpret_cast<float*>(smem);  // [kWarps][G][D]
   __syncthreads();
-  UnitCursor fetch, work;  // the next unit to copy, and the unit being computed
-  fetch.Seek(p, sm_prefix, staged, begin);
-  work = fetch;
-  auto issue = [&](int i) {
-    if (i < n) {
-      State::Issue(smem + (i % kMmaStages) * 2 * S::kTileBytes, k_pool + (size_t)fetch.h * S::kRowBytes,
-                   v_pool + (size_t)fetch.h * S::kRowBytes, slot_bytes, p.tables + (size_t)fetch.t * p.table_width,
-                   p, fetch.j * kMmaKeys, fetch.length);
-      if (i + 1 < n) fetch.Next(p);
-    }
-    attention::CommitAsync();
-  };
-
+  if (gq < G) {
+    if (tq == 0) sm_m[warp][gq] = m, sm_l[warp][gq] = l;
 #pragma unroll
-  for (int s = 0; s + 1 < kMmaStages; ++s) issue(s);
-  State st;
-  st.Start(p.q + ((size_t)work.t * H + work.h * G) * D, gq, tq);
-  const float scale = p.q_scale * kLog2e;
-  bool from_start = work.j == 0, first = true;
-  for (int i = 0; i < n; ++i) {
-    issue(i + kMmaStages - 1);
-    attention::WaitAsync<kMmaStages - 1>();
-    __syncthreads();
-    unsigned char* stage = smem + (i % kMmaStages) * 2 * S::kTileBytes;
-    st.Consume(stage, warp, gq, tq, work.j * kMmaKeys, work.length, scale);
-    __syncthreads();  // the stage is read: free until the next iteration's issue
-    const bool last_tile = work.j + 1 == work.tiles;
-    if (!last_tile && i + 1 < n) {
-      work.Next(p);
-      continue;
-    }
-    const bool whole = from_start && last_tile;
-    float* out = p.out + ((size_t)work.t * H + work.h * G) * D;
-    const size_t part = ((size_t)blockIdx.x * 2 + (first ? 0 : 1)) * G;
-    st.Finish(reinterpret_cast<float*>(stage), sm_m, sm_l, warp, gq, tq,
-              [&](int g, int d, float acc, float mx, float lsum) {
-                if (whole) {
-                  WriteFinal(out + g * D + d, p.v_scale, acc, lsum);
-                } else {
-                  WritePartial(p.part_o + (part + g) * D + d, p.part_ml + (part + g) * 2, d == 0, p.v_scale, acc,
-                               mx, lsum);
-                }
-              });
-    first = false;
-    if (i + 1 < n) {
-      work.Next(p);  // the next (token, kv head) starts at its first tile
-      st.Start(p.q + ((size_t)work.t * H + work.h * G) * D, gq, tq);
-      from_start = true;
+    for (int n = 0; n < D / 8; ++n) {
+      float* dst = sm_o + ((size_t)warp * G + gq) * D + n * 8 + 2 * tq;
+      dst[0] = o[n][0], dst[1] = o[n][1];
     }
   }
-  attention::WaitAsync<0>();  // only empty groups remain
-}
-
-// grid (T, KV), D threads: the states that PagedDecodeBalancedKernel cut at CTA boundaries, merged
-// as MergeSplitsKernel merges splits; a (token, kv head) one CTA finished was written already, and
-// one with no keys gets zeros. A state may span hundreds of CTAs (one sequence over the whole GPU):
-// the threads find their partials' slots side by side, D CTAs at a time, and each thread then folds
-// them into its (g, d) outputs' running (max, sum, o).
-__global__ void MergeBalancedKernel(Params p, int G, int D) {
-  constexpr int kMaxG = 8;
-  __shared__ int sm_slot[128];  // blockDim.x (= D) <= 128
-  const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-  const int tiles = BalancedTiles(BalancedLength(p, t));
-  float* out = p.out + ((size_t)t * p.kv_heads + h) * G * D + d;
-  if (tiles == 0) {
-    for (int g = 0; g < G; ++g) out[g * D] = 0.f;
-    return;
-  }
-  const long long units = p.prefix[p.tokens];
-  const long long first_unit = p.prefix[t] + (long long)h * tiles, last_unit = first_unit + tiles - 1;
-  auto cta_of = [&](long long u) { return (int)(((u + 1) * p.ctas - 1) / units); };  // max c: start(c) <= u
-  auto start_of = [&](long long c) { return c * units / p.ctas; };
-  const int c0 = cta_of(first_unit), c1 = cta_of(last_unit);
-  if (c0 == c1) return;  // uniform across the block
-  float mx[kMaxG], lsum[kMaxG], o[kMaxG];
-  for (int g = 0; g < G; ++g) mx[g] = -INFINITY, lsum[g] = 0.f, o[g] = 0.f;
-  for (int base = c0; base <= c1; base += blockDim.x) {
-    // CTA c0 holds this state in slot 0 if it is c0's first, else in slot 1 (c0's last); the CTAs
-    // after c0 start inside it (slot 0). CTAs with no units (only when units < ctas) hold nothing.
-    const int c = base + d;
-    int slot = -1;
-    if (c <= c1 && start_of(c) < start_of(c + 1)) slot = c * 2 + (c == c0 && start_of(c0) != first_unit ? 1 : 0);
-    __syncthreads();  // the previous chunk's slots are read
-    sm_slot[d] = slot;
-    __syncthreads();
-    const int count = min((int)blockDim.x, c1 - base + 1);
-    for (int i = 0; i < count; ++i) {
-      if (sm_slot[i] < 0) continue;
-      for (int g = 0; g < G; ++g) {
-        const size_t part = (size_t)sm_slot[i] * G + g;
-        const float m_part = p.part_ml[part * 2];
-        if (m_part == -INFINITY) continue;
-        const float next = fmaxf(mx[g], m_part);
-        const float keep = __expf(mx[g] - next), add = __expf(m_part - next);  // exp(-inf) = 0 at the start
-        lsum[g] = lsum[g] * keep + p.part_ml[part * 2 + 1] * add;
-        o[g] = o[g] * keep + p.part_o[part * D + d] * add;
-        mx[g] = next;
-      }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += kWarps * 32) {
+    const int g = idx / D, d = idx % D;
+    float mx = kFloor;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lsum = 0.f, acc = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = exp2f(sm_m[w][g] - mx);
+      lsum += sm_l[w][g] * c;
+      acc += sm_o[((size_t)w * G + g) * D + d] * c;
+    }
+    acc *= p.v_scale;
+    if (p.splits == 1) {
+      p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? acc / lsum : 0.f;
+    } else {
+      const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
+      p.part_o[part * D + d] = acc;
+      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx * kLn2 : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
     }
   }
-  for (int g = 0; g < G; ++g) out[g * D] = lsum[g] > 0.f ? o[g] / lsum[g] : 0.f;
 }
 
 // grid (B, KV * G), D threads: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
@@ -750,25 +507,8 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("modelopt_paged_decode: " + what);
 }
 
-// The balanced kernel's grid: the CTAs the GPU holds at once (its occupancy on this device), at most
-// the partial buffers' max_ctas.
-template <typename T, int D, int G>
-void LaunchBalanced(Params p, cudaStream_t stream) {
-  constexpr int kSmem = MmaTiles<T, D, G>::kSmemBytes;
-  auto* kernel = PagedDecodeBalancedKernel<T, D, G>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  int device = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, kSmem);
-  p.ctas = std::max(1, std::min(p.ctas, std::max(1, per_sm) * std::max(1, sms)));
-  kernel<<<p.ctas, kWarps * 32, kSmem, stream>>>(p);
-  MergeBalancedKernel<<<dim3(p.tokens, p.kv_heads), D, 0, stream>>>(p, G, D);
-}
-
 template <typename T, int D, int G>
 void Launch(const Params& p, int batch, cudaStream_t stream) {
-  if (p.variant == kBalancedKernel) return LaunchBalanced<T, D, G>(p, stream);
   dim3 grid(p.splits, p.kv_heads, batch);
   if (p.variant == kMmaKernel) {
     constexpr int kSmem = MmaTiles<T, D, G>::kSmemBytes;
@@ -814,10 +554,11 @@ std::string Dims(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
-// Checks what both decode ops share (q, the pools, tables, lengths, out) and fills p's common fields.
-ffi::Error CheckCommon(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v, ffi::Buffer<ffi::S32>& tables,
-                       ffi::Buffer<ffi::S32>& lengths, ffi::Result<ffi::Buffer<ffi::F32>>& out, float k_scale,
-                       float v_scale, float softmax_scale, int32_t page, Params& p) {
+ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
+                           float softmax_scale, int32_t page, int32_t variant) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
   if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
@@ -840,28 +581,38 @@ ffi::Error CheckCommon(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuff
   if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != batch) {
     return Invalid("lengths must be [" + std::to_string(batch) + "], got " + Dims(lengths.dimensions()));
   }
-  const auto od = out->dimensions();
+  const auto od = out->dimensions(), pd = part_o->dimensions(), md = part_ml->dimensions();
   if (od.size() != 3 || od[0] != batch || od[1] != heads || od[2] != d) return Invalid("out must have q's shape");
+  const int64_t g = heads / kv_heads;
+  if (pd.size() != 5 || pd[0] != batch || pd[1] != kv_heads || pd[3] != g || pd[4] != d || pd[2] < 1) {
+    return Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + Dims(pd));
+  }
+  if (md.size() != 5 || md[0] != batch || md[1] != kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
+    return Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
+  }
   if (batch > 65535) return Invalid("batch " + std::to_string(batch) + " exceeds 65535");
-  p = Params{};
+  if (batch == 0) return ffi::Error::Success();
+
+  Params p;
   p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
-  p.tables = tables.typed_data(), p.lengths = lengths.typed_data(), p.out = out->typed_data();
+  p.tables = tables.typed_data(), p.lengths = lengths.typed_data();
+  p.out = out->typed_data(), p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
   p.kv_heads = static_cast<int>(kv_heads), p.table_width = static_cast<int>(td[1]), p.page = page;
-  p.tokens = static_cast<int>(batch);
+  p.splits = static_cast<int>(pd[2]);
   const bool fp8 = k.element_type() == ffi::DataType::F8E4M3FN;
   p.q_scale = softmax_scale * (fp8 ? k_scale : 1.f);
   p.v_scale = fp8 ? v_scale : 1.f;
   p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
-  return ffi::Error::Success();
-}
+  if (variant != kStagedKernel && variant != kMmaKernel) {
+    return Invalid("variant must be 1 (staged) or 2 (mma), got " + std::to_string(variant));
+  }
+  p.variant = variant;
 
-// Launches the kernel p.variant names for the pool's dtype, head_dim d and group g.
-ffi::Error Dispatch(const Params& p, ffi::DataType pool, int64_t d, int64_t g, cudaStream_t stream) {
   bool launched = false;
-  switch (pool) {
-    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, p.tokens, stream); break;
-    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, p.tokens, stream); break;
-    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, p.tokens, stream); break;
+  switch (k.element_type()) {
+    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, batch, stream); break;
+    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, batch, stream); break;
+    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, batch, stream); break;
     default: return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
   }
   if (!launched) {
@@ -874,71 +625,6 @@ ffi::Error Dispatch(const Params& p, ffi::DataType pool, int64_t d, int64_t g, c
   return ffi::Error::Success();
 }
 
-ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                           float softmax_scale, int32_t page, int32_t variant) {
-  Params p;
-  if (ffi::Error e = CheckCommon(q, k, v, tables, lengths, out, k_scale, v_scale, softmax_scale, page, p);
-      e.failure()) {
-    return e;
-  }
-  const int64_t batch = q.dimensions()[0], d = q.dimensions()[2], g = q.dimensions()[1] / p.kv_heads;
-  const auto pd = part_o->dimensions(), md = part_ml->dimensions();
-  if (pd.size() != 5 || pd[0] != batch || pd[1] != p.kv_heads || pd[3] != g || pd[4] != d || pd[2] < 1) {
-    return Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + Dims(pd));
-  }
-  if (md.size() != 5 || md[0] != batch || md[1] != p.kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
-    return Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
-  }
-  if (variant != kStagedKernel && variant != kMmaKernel) {
-    return Invalid("variant must be 1 (staged) or 2 (mma), got " + std::to_string(variant));
-  }
-  if (batch == 0) return ffi::Error::Success();
-  p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
-  p.splits = static_cast<int>(pd[2]);
-  p.variant = variant;
-  return Dispatch(p, k.element_type(), d, g, stream);
-}
-
-// The work-balanced kernel (bf16 compute, tensor cores): prefix [T + 1] int32 from the jax wrapper;
-// partial_o [max_ctas, 2, group, head_dim] and partial_ml [max_ctas, 2, group, 2] its scratch.
-ffi::Error PagedDecodeBalancedCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                                   ffi::Buffer<ffi::S32> prefix, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                                   ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                                   ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                                   float softmax_scale, int32_t page) {
-  Params p;
-  if (ffi::Error e = CheckCommon(q, k, v, tables, lengths, out, k_scale, v_scale, softmax_scale, page, p);
-      e.failure()) {
-    return e;
-  }
-  const int64_t batch = q.dimensions()[0], d = q.dimensions()[2], g = q.dimensions()[1] / p.kv_heads;
-  if (prefix.dimensions().size() != 1 || prefix.dimensions()[0] != batch + 1) {
-    return Invalid("prefix must be [" + std::to_string(batch + 1) + "], got " + Dims(prefix.dimensions()));
-  }
-  const auto pd = part_o->dimensions(), md = part_ml->dimensions();
-  if (pd.size() != 4 || pd[0] < 1 || pd[0] > (1 << 20) || pd[1] != 2 || pd[2] != g || pd[3] != d) {
-    return Invalid("partial_o must be [max_ctas, 2, group, head_dim], got " + Dims(pd));
-  }
-  if (md.size() != 4 || md[0] != pd[0] || md[1] != 2 || md[2] != g || md[3] != 2) {
-    return Invalid("partial_ml must be [max_ctas, 2, group, 2], got " + Dims(md));
-  }
-  if (k.element_type() != ffi::DataType::BF16 && k.element_type() != ffi::DataType::F16 &&
-      k.element_type() != ffi::DataType::F8E4M3FN) {
-    return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
-  }
-  if (batch == 0) return ffi::Error::Success();
-  p.prefix = prefix.typed_data();
-  p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
-  p.ctas = static_cast<int>(pd[0]);
-  p.splits = 1;
-  p.variant = kBalancedKernel;
-  return Dispatch(p, k.element_type(), d, g, stream);
-}
-
 // Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
 // element the kernel fails to write shows.
 ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -949,29 +635,6 @@ ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q,
                                    float softmax_scale, int32_t page, int32_t variant) {
   return PagedDecodeCuda(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale,
                          page, variant);
-}
-
-ffi::Error PagedDecodeBalancedCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
-                                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> prefix,
-                                           ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
-                                           ffi::Result<ffi::Buffer<ffi::F32>> out,
-                                           ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                                           float softmax_scale, int32_t page) {
-  return PagedDecodeBalancedCuda(stream, q, k, v, tables, lengths, prefix, out, part_o, part_ml, k_scale, v_scale,
-                                 softmax_scale, page);
-}
-
-template <typename Binding>
-auto BindBalancedResultsAndAttrs(Binding b) {
-  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<float>("k_scale")
-      .template Attr<float>("v_scale")
-      .template Attr<float>("softmax_scale")
-      .template Attr<int32_t>("page_size");
 }
 
 template <typename Binding>
@@ -1005,15 +668,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCuda, modelopt_jax::cuda::Paged
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCudaPoisoned, modelopt_jax::cuda::PagedDecodeCudaPoisoned,
                               modelopt_jax::cuda::BindResultsAndAttrs(
                                   modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeBalancedCuda, modelopt_jax::cuda::PagedDecodeBalancedCuda,
-                              modelopt_jax::cuda::BindBalancedResultsAndAttrs(
-                                  modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::S32>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeBalancedCudaPoisoned,
-                              modelopt_jax::cuda::PagedDecodeBalancedCudaPoisoned,
-                              modelopt_jax::cuda::BindBalancedResultsAndAttrs(
-                                  modelopt_jax::cuda::BindOperands()
-                                      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // prefix [T + 1]
-                                      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()),  // out_init
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -12,7 +12,6 @@ LaunchStatus RunSm90Config4(const LaunchArgs&);
 LaunchStatus RunSm90Config5(const LaunchArgs&);
 LaunchStatus RunSm90Config6(const LaunchArgs&);
 LaunchStatus RunSm90Config7(const LaunchArgs&);
-LaunchStatus RunSm90Config8(const LaunchArgs&);
 
 const KernelConfig kSm90Configs[] = {
     {"sm90 swapab 64x16x256 c1x1 ws", RunSm90Config0},
@@ -23,7 +22,6 @@ const KernelConfig kSm90Configs[] = {
     {"sm90 128x128x128 c2x1 pingpong", RunSm90Config5},
     {"sm90 128x256x128 c2x1 coop", RunSm90Config6},
     {"sm90 256x128x128 c2x1 coop", RunSm90Config7},
-    {"sm90 swapab 128x64x256 c1x1 coop streamk", RunSm90Config8},
 };
 const int kNumSm90Configs = sizeof(kSm90Configs) / sizeof(kSm90Configs[0]);
 
@@ -47,7 +45,7 @@ int ChooseSm90Config(int m, int n, int /*k*/) {
   if (m <= 8) return 0;     // swap-AB 64x16x256 ws
   if (m <= 16) return 1;    // swap-AB 64x32x256 ws
   if (m <= 32) return 2;    // swap-AB 128x32x256 coop
-  if (m <= 64) return Tiles(n, m, 64, 64) < kFewTiles ? 8 : 3;  // swap-AB 64x64x256 ping-pong, or 128x64 stream-K
+  if (m <= 64) return 3;    // swap-AB 64x64x256 ping-pong
   if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong, or swap-AB 64x64
   if (m <= 2048) return Tiles(m, n, 128, 128) < kFewTiles ? 4 : 5;  // 128x128x128 ping-pong, or 64x128
   if (m <= 4096) return 7;  // 256x128x128 coop

@@ -23,15 +23,11 @@ KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUP = 8
 KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# Which CUDA decode kernel runs: "balanced" (tensor cores, the work split into equal shares of
-# 64-key tiles over one wave of CTAs), "mma" (tensor cores, each (token, kv head)'s context split
-# into kernel_splits equal parts) -- both serve bf16 compute, and f16 over f16 pages; anything else
-# runs "staged" (cp.async-staged CUDA-core kernel, float32). Read when a call is traced;
-# bench/attention.py times them side by side.
+# Which CUDA decode kernel runs: "mma" (tensor cores; it serves bf16 compute, and f16 over f16
+# pages -- anything else runs "staged") or "staged" (cp.async-staged CUDA-core kernel). Read when a
+# call is traced; bench/attention.py times both.
 DECODE_KERNEL = "mma"
-_DECODE_VARIANTS = {"staged": 1, "mma": 2, "balanced": 3}  # the FFI attribute "variant" (3: its own op)
-BALANCED_TILE = 64  # keys per unit of work of the balanced kernel (kMmaKeys in paged_attention.cu)
-BALANCED_CTAS_PER_SM = 8  # bound on its resident CTAs per SM, which sizes its partial buffers
+_DECODE_VARIANTS = {"staged": 1, "mma": 2}  # the FFI attribute "variant"
 PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
 DECODE_SPLITS: int | None = None  # CTAs per (token, kv head) of the decode kernel; None: kernel_splits (sweeps)
 _FLOOR = np.float32(np.finfo(np.float32).min)
@@ -131,16 +127,12 @@ def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype
 
 
 def decode_kernel_variant(pool_dtype, dtype) -> str:
-    """The decode kernel :data:`DECODE_KERNEL` asks for, "balanced" and "mma" falling back to
-    "staged" where the tensor cores do not serve the dtypes."""
-    from modelopt_jax.ops import native
-
+    """The decode kernel :data:`DECODE_KERNEL` asks for, "mma" falling back to "staged" where the
+    tensor cores do not serve the dtypes."""
     if DECODE_KERNEL not in _DECODE_VARIANTS:
         raise ValueError(f"DECODE_KERNEL={DECODE_KERNEL!r}: choose one of {', '.join(_DECODE_VARIANTS)}")
-    if DECODE_KERNEL in ("mma", "balanced") and not tensor_cores_serve(pool_dtype, dtype):
+    if DECODE_KERNEL == "mma" and not tensor_cores_serve(pool_dtype, dtype):
         return "staged"
-    if DECODE_KERNEL == "balanced" and not native.has_balanced_decode_kernel():
-        return "mma"  # a library built before the balanced kernel existed
     return DECODE_KERNEL
 
 
@@ -179,10 +171,6 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
     # The kernel indexes block tables per token: expand [R, W] to the tokens' rows (int32; the same
     # gather in every layer, which XLA computes once).
     tables = block_tables[token_rows]
-    variant = decode_kernel_variant(k_pool.dtype, dtype)
-    if variant == "balanced":
-        return _balanced_kernel_paged_attention(q, k_pool, v_pool, tables, positions, k_scale=k_scale,
-                                                v_scale=v_scale, page_size=page_size, dtype=dtype, out_init=out_init)
     splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count(), jnp.dtype(k_pool.dtype).itemsize)
     if DECODE_SPLITS is not None:
         splits = int(max(1, min(DECODE_SPLITS, block_tables.shape[1])))
@@ -199,41 +187,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
                      k_scale=np.float32(1.0 if k_scale is None else k_scale),
                      v_scale=np.float32(1.0 if v_scale is None else v_scale),
                      softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
-                     variant=np.int32(_DECODE_VARIANTS[variant]))
-    return out.reshape(t, h * d).astype(dtype)
-
-
-def balanced_prefix(positions: jax.Array, kv_heads: int, table_width: int, page_size: int) -> jax.Array:
-    """The balanced decode kernel's unit offsets: int32 [T + 1], entry t = kv_heads x the
-    :data:`BALANCED_TILE`-key tiles of tokens 0..t-1 (a token attends over positions + 1 keys, at
-    most its block-table row's table_width x page_size: the kernel clamps alike)."""
-    lengths = jnp.clip(positions.astype(jnp.int32) + 1, 0, table_width * page_size)
-    units = (lengths + BALANCED_TILE - 1) // BALANCED_TILE * kv_heads
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(units, dtype=jnp.int32)])
-
-
-def _balanced_kernel_paged_attention(q, k_pool, v_pool, tables, positions, *, k_scale, v_scale, page_size, dtype,
-                                     out_init=None):
-    """The work-balanced decode kernel over the tokens' own block-table rows ``tables`` [T, W]."""
-    from modelopt_jax.ops import native
-
-    t, h, d = q.shape
-    kv = k_pool.shape[1]
-    g = h // kv
-    max_ctas = BALANCED_CTAS_PER_SM * _sm_count()
-    out_types = (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
-                 jax.ShapeDtypeStruct((max_ctas, 2, g, d), jnp.float32),
-                 jax.ShapeDtypeStruct((max_ctas, 2, g, 2), jnp.float32))
-    operands = [q.astype(jnp.float32), k_pool, v_pool, tables.astype(jnp.int32), (positions + 1).astype(jnp.int32),
-                balanced_prefix(positions, kv, tables.shape[1], page_size)]
-    target, aliases = native.PAGED_DECODE_BALANCED_TARGET, {}
-    if out_init is not None:
-        target, aliases = native.PAGED_DECODE_BALANCED_POISONED_TARGET, {len(operands): 0}
-        operands.append(out_init)
-    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all", input_output_aliases=aliases)
-    out, _, _ = call(*operands, k_scale=np.float32(1.0 if k_scale is None else k_scale),
-                     v_scale=np.float32(1.0 if v_scale is None else v_scale),
-                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
+                     variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(k_pool.dtype, dtype)]))
     return out.reshape(t, h * d).astype(dtype)
 
 

@@ -18,8 +18,7 @@ from modelopt_jax.ops.epilogue import epilogue_of
 
 
 def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, out_dtype, tile: int = -1,
-                    swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None,
-                    platform: str | None = None) -> jax.Array:
+                    swizzle: int = 1, raster: int = 0, out_init: jax.Array | None = None) -> jax.Array:
     """``x_q`` [M, K] (already 2-D), ``w_q`` [N, K]; ``alpha``/``row``/``col`` as ``scaled_fp8_gemm`` passes them.
 
     ``alpha`` is passed as ``np.float32`` (a static attribute: a jax value here would be traced and
@@ -27,9 +26,7 @@ def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, ou
     forces a compiled tile configuration (-1 = by M bucket); ``swizzle`` (1, 2, 4 or 8) and ``raster``
     (0 heuristic, 1 along M, 2 along N) set the persistent tile scheduler; the handlers reject other
     values. ``out_init`` [M, N] is aliased to the output (tests fill it with NaN to catch unwritten
-    elements). ``platform`` ("cuda" or "cpu"; default: jax's default backend) is where the call will
-    run: on CUDA a stream-K configuration gets its workspace as a second, discarded result, sized
-    now by asking the library (``native.gemm_workspace_bytes``).
+    elements).
     """
     native.cpu_library()
     native.cuda_library()
@@ -46,22 +43,11 @@ def ffi_scaled_gemm(x_q: jax.Array, w_q: jax.Array, *, alpha, row, col, bias, ou
     if out_init is not None:
         aliases = {len(operands): 0}
         operands.append(out_init)
-    if platform is None:
-        platform = "cuda" if jax.default_backend() == "gpu" else "cpu"
-    workspace = 0
-    if platform == "cuda":
-        workspace = native.gemm_workspace_bytes(m, n, x_q.shape[1], int(tile), jnp.dtype(out_dtype) == jnp.bfloat16,
-                                                row is not None or col is not None or bias is not None)
-    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    attrs = dict(alpha=np.float32(alpha), has_row_scale=row is not None, has_col_scale=col is not None,
-                 has_bias=bias is not None, has_out_init=out_init is not None, tile=np.int32(tile),
-                 swizzle=np.int32(swizzle), raster=np.int32(raster))
-    if workspace:
-        call = jax.ffi.ffi_call(native.GEMM_WORKSPACE_TARGET, (out_type, jax.ShapeDtypeStruct((workspace,), jnp.uint8)),
-                                vmap_method="broadcast_all", input_output_aliases=aliases)
-        return call(*operands, **attrs)[0]
-    call = jax.ffi.ffi_call(native.TARGET, out_type, vmap_method="broadcast_all", input_output_aliases=aliases)
-    return call(*operands, **attrs)
+    call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct((m, n), out_dtype),
+                            vmap_method="broadcast_all", input_output_aliases=aliases)
+    return call(*operands, alpha=np.float32(alpha), has_row_scale=row is not None, has_col_scale=col is not None,
+                has_bias=bias is not None, has_out_init=out_init is not None, tile=np.int32(tile),
+                swizzle=np.int32(swizzle), raster=np.int32(raster))
 
 
 def ffi_fp8_gemm(x_q: jax.Array, w_q: jax.Array, *, x_scale, w_scale, bias, out_dtype, tile: int = -1,

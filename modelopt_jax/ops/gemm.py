@@ -169,9 +169,9 @@ def _auto(x_q, w_q, **kwargs):
     native.warn_if_gpu_without_kernels()
     branches = {}
     if native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"]):
-        branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs, platform="cuda")
+        branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
     if native.has_fast_cpu_handler() and x_q.shape[0] <= CPU_HANDLER_MAX_ROWS:
-        branches["cpu"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs, platform="cpu")
+        branches["cpu"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
     if not branches:
         return _xla_fp8_gemm(x_q, w_q, **kwargs)
     return jax.lax.platform_dependent(x_q, w_q, **branches, default=lambda x, w: _xla_fp8_gemm(x, w, **kwargs))

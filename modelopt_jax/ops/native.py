@@ -18,11 +18,8 @@ import warnings
 import jax
 
 TARGET = "modelopt_fp8_gemm"
-GEMM_WORKSPACE_TARGET = "modelopt_fp8_gemm_workspace"  # CUDA: the op plus a uint8 workspace result (stream-K)
 PAGED_DECODE_TARGET = "modelopt_paged_decode"
 PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output aliased to a NaN-filled operand
-PAGED_DECODE_BALANCED_TARGET = "modelopt_paged_decode_balanced"
-PAGED_DECODE_BALANCED_POISONED_TARGET = "modelopt_paged_decode_balanced_poisoned"
 PAGED_PREFILL_TARGET = "modelopt_paged_prefill"
 PAGED_PREFILL_POISONED_TARGET = "modelopt_paged_prefill_poisoned"
 CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
@@ -70,21 +67,11 @@ def cuda_library() -> ctypes.CDLL | None:
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
         warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
-    if hasattr(lib, "ModeloptFp8GemmCudaWorkspace"):
-        jax.ffi.register_ffi_target(GEMM_WORKSPACE_TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GemmCudaWorkspace),
-                                    platform="CUDA")
-        lib.ModeloptFp8GemmWorkspaceBytes.restype = ctypes.c_longlong
-        lib.ModeloptFp8GemmWorkspaceBytes.argtypes = [ctypes.c_int] * 6
     if hasattr(lib, "ModeloptPagedDecodeCuda"):  # absent from libraries built before the kernel existed
         jax.ffi.register_ffi_target(PAGED_DECODE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeCuda),
                                     platform="CUDA")
         jax.ffi.register_ffi_target(PAGED_DECODE_POISONED_TARGET,
                                     jax.ffi.pycapsule(lib.ModeloptPagedDecodeCudaPoisoned), platform="CUDA")
-    if hasattr(lib, "ModeloptPagedDecodeBalancedCuda"):
-        jax.ffi.register_ffi_target(PAGED_DECODE_BALANCED_TARGET,
-                                    jax.ffi.pycapsule(lib.ModeloptPagedDecodeBalancedCuda), platform="CUDA")
-        jax.ffi.register_ffi_target(PAGED_DECODE_BALANCED_POISONED_TARGET,
-                                    jax.ffi.pycapsule(lib.ModeloptPagedDecodeBalancedCudaPoisoned), platform="CUDA")
     if hasattr(lib, "ModeloptPagedPrefillCuda"):
         jax.ffi.register_ffi_target(PAGED_PREFILL_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedPrefillCuda),
                                     platform="CUDA")
@@ -127,24 +114,9 @@ def has_paged_decode_kernel() -> bool:
     return lib is not None and hasattr(lib, "ModeloptPagedDecodeCuda")
 
 
-def has_balanced_decode_kernel() -> bool:
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptPagedDecodeBalancedCuda")
-
-
 def has_paged_prefill_kernel() -> bool:
     lib = cuda_library()
     return lib is not None and hasattr(lib, "ModeloptPagedPrefillCuda")
-
-
-@functools.cache
-def gemm_workspace_bytes(m: int, n: int, k: int, tile: int, out_bf16: bool, vector: bool) -> int:
-    """Bytes of workspace the CUDA kernel configuration serving this GEMM (``tile`` >= 0 forces one)
-    needs on the current GPU: > 0 only for stream-K configurations; 0 where no GPU or library answers."""
-    lib = cuda_library()
-    if lib is None or not hasattr(lib, "ModeloptFp8GemmWorkspaceBytes"):
-        return 0
-    return max(0, int(lib.ModeloptFp8GemmWorkspaceBytes(m, n, k, tile, int(out_bf16), int(vector))))
 
 
 def _major(major: int | None) -> int:
