@@ -4,7 +4,8 @@
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
 #                             [prefill-tests] [attn-prefill]
-#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [engine K=V[,K=V]]...]
+#                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
+#                                    [engine K=V[,K=V]]...]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
@@ -80,7 +81,7 @@ print('memcheck sample done')
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
     attn-tests) shift
-      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py \
+      python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_engine_gpu.py \
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
@@ -99,11 +100,11 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention-kernel staged)
-        [ "$1" = noprefill ] && extra+=(--prefill-kernel off)
+        [ "$1" = noprefill ] && extra+=(--prefill-kernel off); [ "$1" = nofusedwrite ] && extra+=(--fused-page-write off)
         tag+="_$1"; shift
       done
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \

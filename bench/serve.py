@@ -220,11 +220,15 @@ def main():
                     help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
                     help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")
+    ap.add_argument("--fused-page-write", choices=["on", "off"], default="on",
+                    help="off: decode steps scatter each layer's keys/values before the decode kernel "
+                         "(modelopt_jax.ops.attention.FUSED_PAGE_WRITE)")
     args = ap.parse_args()
     from modelopt_jax.ops import attention
 
     attention.DECODE_KERNEL = args.attention_kernel
     attention.PREFILL_KERNEL = args.prefill_kernel == "on"
+    attention.FUSED_PAGE_WRITE = args.fused_page_write == "on"
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)
     dev = jax.devices()[0]
@@ -241,7 +245,8 @@ def main():
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
           f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
-    report = {"device": dev.device_kind, "attention_kernel": args.attention_kernel, "prefill_kernel": args.prefill_kernel, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
+    report = {"device": dev.device_kind, "attention_kernel": args.attention_kernel, "prefill_kernel": args.prefill_kernel,
+              "fused_page_write": args.fused_page_write, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static}
     for name in args.workloads.split(","):
         if name == "c":

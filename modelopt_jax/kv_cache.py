@@ -99,7 +99,7 @@ class KVBuffer:
     data: jax.Array               # [batch, max_len, kv_heads, head_dim]
     scale: float | None = None    # FP8 codes: value = code * scale
 
-    def _encode(self, x: jax.Array) -> jax.Array:
+    def encode(self, x: jax.Array) -> jax.Array:
         """What is stored for values ``x``: FP8 codes (quantize on write) or the storage dtype."""
         return quantize_static(x, self.scale) if self.scale is not None else x.astype(self.data.dtype)
 
@@ -109,7 +109,7 @@ class KVBuffer:
 
     def write(self, rows: jax.Array, positions: jax.Array, x: jax.Array) -> "KVBuffer":
         """``x`` [B, T, kv_heads, head_dim] stored at ``positions`` [B, T] of each row (quantized if FP8)."""
-        return KVBuffer(self.data.at[rows, positions].set(self._encode(x)), self.scale)
+        return KVBuffer(self.data.at[rows, positions].set(self.encode(x)), self.scale)
 
     def read(self, dtype) -> jax.Array:
         return self._decode(self.data, dtype)
@@ -121,7 +121,11 @@ class KVBuffer:
         In place on GPU when the pool is donated. XLA:CPU copies a scatter's whole operand (~20 ms
         per 268 MB layer pool here), which is why the engine's default pool on CPU is small.
         """
-        return KVBuffer(self.data.at[slots].set(self._encode(x)), self.scale)
+        return KVBuffer(self.data.at[slots].set(self.encode(x)), self.scale)
+
+    def with_data(self, data: jax.Array) -> "KVBuffer":
+        """The same buffer (scale) over new stored ``data`` -- e.g. a pool an op wrote in place."""
+        return KVBuffer(data, self.scale)
 
     # array-like views, for inspection
     @property

@@ -31,7 +31,7 @@ from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
 from modelopt_jax.layers import Embedding, RMSNorm
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
-from modelopt_jax.ops.attention import causal_attention, paged_attention
+from modelopt_jax.ops.attention import causal_attention, paged_write_attention
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
 from modelopt_jax.quant.schemes import SCHEMES, LinearSpec
 
@@ -99,12 +99,11 @@ class Attention(nnx.Module):
         tokens alike. Only the pages in the block tables are read.
         """
         q, k, v = self.project_qkv(x, positions[None])
-        keys = keys.write_slots(step.slots, k[0])
-        values = values.write_slots(step.slots, v[0])
-        out = paged_attention(q[0], keys.data, values.data, k_scale=keys.scale, v_scale=values.scale,
-                              page_size=step.page_size, token_rows=step.token_rows, positions=positions,
-                              block_tables=step.block_tables, dtype=self.dtype, row_tokens=step.row_tokens)
-        return self.o_proj(out[None]), keys, values
+        out, k_pool, v_pool = paged_write_attention(
+            q[0], keys.encode(k[0]), values.encode(v[0]), keys.data, values.data, step.slots, k_scale=keys.scale,
+            v_scale=values.scale, page_size=step.page_size, token_rows=step.token_rows, positions=positions,
+            block_tables=step.block_tables, dtype=self.dtype, row_tokens=step.row_tokens)
+        return self.o_proj(out[None]), keys.with_data(k_pool), values.with_data(v_pool)
 
 
 class MLP(nnx.Module):
@@ -280,6 +279,9 @@ class CausalLM(nnx.Module):
         (``block_table[p // page] * page + p % page``) and it attends over its sequence's positions
         0..positions[t]. Returns ``(logits, cache)``: logits [T, vocab], or [len(logit_index), vocab]
         for the tokens ``logit_index`` names (each row's last). Pure and jit-compatible; donate ``cache``.
+        Within a step no token may read a slot another token of the step writes (no page shared by
+        two sequences): a decode step (``row_tokens`` one wide) on CUDA writes each token's key/value
+        inside the attention kernel that reads its pages, not in a scatter before it.
         """
         args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(token_rows),
                 jnp.asarray(block_tables), jnp.asarray(row_tokens))

@@ -247,3 +247,102 @@ def test_cuda_kernel_is_what_auto_runs_on_gpu():
     args, static = _split(c)
     hlo = jax.jit(lambda a: paged_attention(**a, **static)).lower(args).compile().as_text()
     assert "modelopt_paged_decode" in hlo
+
+
+def _decode_step(seed, pool_dtype, *, heads=32, kv_heads=8, head_dim=128, page=16,
+                 contexts=(1024, 1, 17, 16, 300, 2000, 64, 5)):
+    """A decode step as the engine packs it: one token per sequence at its last position (one past
+    what its pages held), padding tokens of row 0 at position 0 writing to the scratch page 0,
+    row_tokens one wide. Returns the case plus the step's new stored rows and slots."""
+    c = _case(seed, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page,
+              lengths_and_new=[(n, 1) for n in contexts], pool_dtype=pool_dtype, dtype="bfloat16")
+    rng = np.random.default_rng(seed + 1)
+    rows, pad = len(contexts), 4
+    positions = np.concatenate([c["positions"], np.zeros(pad, np.int32)])
+    token_rows = np.concatenate([c["token_rows"], np.zeros(pad, np.int32)])
+    tables = c["block_tables"]
+    slots = tables[token_rows, positions // page] * page + positions % page
+    slots[rows:] = np.arange(pad)  # padding: the scratch page 0
+    new = rng.standard_normal((2, rows + pad, kv_heads, head_dim)).astype(np.float32) * 2
+    if pool_dtype == "float8_e4m3fn":
+        k_new = (new[0] / c["k_scale"]).clip(-448, 448).astype(E4M3)
+        v_new = (new[1] / c["v_scale"]).clip(-448, 448).astype(E4M3)
+    else:
+        k_new, v_new = (new[i].astype(jnp.dtype(pool_dtype)) for i in (0, 1))
+    q = np.concatenate([c["q"], np.asarray(rng.standard_normal((pad, heads, head_dim)), c["q"].dtype)])
+    c.update(q=q, positions=positions.astype(np.int32), token_rows=token_rows.astype(np.int32),
+             row_tokens=np.arange(rows, dtype=np.int32)[:, None])
+    return c, k_new, v_new, slots.astype(np.int32)
+
+
+@pytest.mark.parametrize("pool_dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+@pytest.mark.parametrize("variant", ["mma", "staged"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
+def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, monkeypatch):
+    """The decode kernel that writes the step's keys/values itself leaves the pools bit for bit as a
+    scatter does and attends over them bit for bit as the plain kernel does after the scatter (the
+    same kernel reads the same bytes); its output also matches the float64 reference over the
+    written pools. Real tokens' rows sit at page starts, page ends and mid-page."""
+    monkeypatch.setattr(attention, "DECODE_KERNEL", variant)
+    dtype = "float16" if pool_dtype == "float16" else "bfloat16"
+    c, k_new, v_new, slots = _decode_step(5, pool_dtype)
+    c["dtype"] = dtype
+    c["q"] = c["q"].astype(jnp.dtype(dtype))
+    args, static = _split(c)
+    new = (jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
+
+    def run(backend):
+        def step(a, k_new, v_new, slots):
+            rest = {k: v for k, v in a.items() if k not in ("q", "k_pool", "v_pool")}
+            return attention.paged_write_attention(a["q"], k_new, v_new, a["k_pool"], a["v_pool"], slots, **rest,
+                                                   **static, backend=backend)
+        return jax.jit(step)
+
+    fused = run("fused_kernel")
+    assert "modelopt_paged_decode_write" in fused.lower(args, *new).compile().as_text()
+    out, k_pool, v_pool = fused(args, *new)
+    want_out, want_k, want_v = run("kernel")(args, *new)  # scatter, then the plain decode kernel
+    assert "modelopt_paged_decode_write" not in run("kernel").lower(args, *new).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(k_pool).view(np.uint8), np.asarray(want_k).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(v_pool).view(np.uint8), np.asarray(want_v).view(np.uint8))
+    rows = len(c["row_tokens"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[:rows], np.asarray(want_out, np.float32)[:rows])
+    written = dict(c, k_pool=np.asarray(k_pool), v_pool=np.asarray(v_pool))
+    want = _reference(written)[:rows]
+    got = np.asarray(out, np.float64)[:rows]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < _tolerance(dtype, pool_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
+def test_auto_fuses_the_page_write_only_into_decode_steps():
+    c, k_new, v_new, slots = _decode_step(6, "bfloat16", heads=8, kv_heads=2, head_dim=64)
+    args, static = _split(c)
+    rest = {k: v for k, v in args.items() if k not in ("q", "k_pool", "v_pool", "row_tokens")}
+
+    def hlo(row_tokens):
+        fn = jax.jit(lambda a, r: attention.paged_write_attention(
+            a["q"], jnp.asarray(k_new), jnp.asarray(v_new), a["k_pool"], a["v_pool"], jnp.asarray(slots), **rest,
+            **static, row_tokens=r))
+        return fn.lower(args, row_tokens).compile().as_text()
+    assert "modelopt_paged_decode_write" in hlo(args["row_tokens"])
+    wide = jnp.concatenate([args["row_tokens"], jnp.full_like(args["row_tokens"], len(c["positions"]))], axis=1)
+    assert "modelopt_paged_decode_write" not in hlo(wide)  # a prompt step's layout: scatter first
+
+
+def test_paged_write_attention_without_the_fused_kernel_is_scatter_then_paged_attention():
+    """``backend="xla"`` (and every platform but CUDA under "auto"): a scatter of the stored rows,
+    then paged_attention over the written pools -- FP8 codes stored as given, bit for bit."""
+    c, k_new, v_new, slots = _decode_step(7, "float8_e4m3fn", heads=8, kv_heads=2, head_dim=64)
+    args, static = _split(c)
+    rest = {k: v for k, v in args.items() if k not in ("q", "k_pool", "v_pool")}
+    out, k_pool, v_pool = attention.paged_write_attention(args["q"], jnp.asarray(k_new), jnp.asarray(v_new),
+                                                          args["k_pool"], args["v_pool"], jnp.asarray(slots), **rest,
+                                                          **static, backend="xla")
+    for pool, before, new in ((k_pool, c["k_pool"], k_new), (v_pool, c["v_pool"], v_new)):
+        want_pool = before.copy()
+        want_pool[slots] = new
+        np.testing.assert_array_equal(np.asarray(pool).view(np.uint8), want_pool.view(np.uint8))
+    want = attention.paged_attention(args["q"], k_pool, v_pool, **rest, **static, backend="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))

@@ -48,7 +48,39 @@ struct Params {
   int kv_heads, table_width, page, page_shift, splits;  // page_shift: log2(page), or -1
   float q_scale, v_scale;  // softmax scale (x FP8 key scale); FP8 value scale (1 otherwise)
   int variant;             // kStagedKernel or kMmaKernel
+  // The fused write (modelopt_paged_decode_write): token t's stored key/value rows [KV, D] in the
+  // pool's dtype, and the slot they go to; null for the plain op. ``num_slots`` bounds the slot.
+  const unsigned char* new_k;
+  const unsigned char* new_v;
+  const int32_t* slots;
+  int64_t num_slots;
 };
+
+// The fused write: the CTA whose split holds token b's last position (the one this step appends)
+// stores the token's key and value rows for kv head kvh into the pool before it reads any page, so
+// the step needs no scatter per pool and layer. Only that CTA reads the slot in this launch, and
+// its own threads see the stores after the barrier (cp.async reads through L2, where they land).
+// Each token must be the only one of the launch that writes to or reads this slot: the engine's
+// decode steps (one token per sequence, pages owned by one sequence). A slot outside the pool is
+// not written. The branch is uniform over the CTA, so the barrier is too.
+template <typename T, int D>
+__device__ __forceinline__ void WriteNewToken(const Params& p, int b, int kvh, int split, int per_split,
+                                              int seq_pages) {
+  if (p.new_k == nullptr || seq_pages == 0 || (seq_pages - 1) / per_split != split) return;
+  const int64_t slot = p.slots[b];
+  if (slot < 0 || slot >= p.num_slots) return;
+  constexpr int kRowBytes = D * (int)sizeof(T), kChunks = kRowBytes / 16;
+  static_assert(kRowBytes % 16 == 0 && 2 * kChunks <= kWarps * 32, "a row is whole 16-byte chunks, one per thread");
+  if (threadIdx.x < 2 * kChunks) {
+    const bool value = threadIdx.x >= kChunks;
+    const size_t part = (threadIdx.x % kChunks) * 16;
+    const unsigned char* src = (value ? p.new_v : p.new_k) + ((size_t)b * p.kv_heads + kvh) * kRowBytes + part;
+    unsigned char* dst = static_cast<unsigned char*>(const_cast<void*>(value ? p.v : p.k)) +
+                         ((size_t)slot * p.kv_heads + kvh) * kRowBytes + part;
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  }
+  __syncthreads();
+}
 
 // How a lane loads and converts its slice of a key/value row: kElems elements in one load.
 template <typename T, int kElems>
@@ -158,6 +190,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
   const int per_split = (seq_pages + p.splits - 1) / p.splits;
   const int page_begin = split * per_split;
   const int page_end = min(seq_pages, page_begin + per_split);
+  WriteNewToken<T, D>(p, b, kvh, split, per_split, seq_pages);
 
   float q[G][kElems];
 #pragma unroll
@@ -350,6 +383,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
   const int tok_begin = page_begin * p.page;
   const int tok_end = min(length, page_end * p.page);
   const int tiles = tok_end > tok_begin ? (tok_end - tok_begin + kMmaKeys - 1) / kMmaKeys : 0;
+  WriteNewToken<T, D>(p, b, kvh, split, per_split, seq_pages);
 
   // Q as A fragments: row gq's columns (c, c + 1) and (c + 8, c + 9) of each 16-column k-step;
   // rows 8..15 (a1, a3) are zeros.
@@ -554,11 +588,18 @@ std::string Dims(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
-ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                           float softmax_scale, int32_t page, int32_t variant) {
+// The fused write's operands (modelopt_paged_decode_write): this step's stored rows, their slots,
+// and the pools as results (aliased to the pool operands, so XLA updates them in place).
+struct NewTokens {
+  ffi::AnyBuffer k, v;
+  ffi::Buffer<ffi::S32> slots;
+  ffi::AnyBuffer k_pool, v_pool;  // the results
+};
+
+ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                  ffi::Result<ffi::Buffer<ffi::F32>> part_o, ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale,
+                  float v_scale, float softmax_scale, int32_t page, int32_t variant, const NewTokens* write) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
   if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
@@ -607,6 +648,34 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
     return Invalid("variant must be 1 (staged) or 2 (mma), got " + std::to_string(variant));
   }
   p.variant = variant;
+  p.new_k = p.new_v = nullptr, p.slots = nullptr, p.num_slots = kd[0];
+  if (write != nullptr) {
+    const auto nd = write->k.dimensions();
+    if (nd.size() != 3 || nd[0] != batch || nd[1] != kv_heads || nd[2] != d) {
+      return Invalid("new keys must be [" + std::to_string(batch) + ", " + std::to_string(kv_heads) + ", " +
+                     std::to_string(d) + "], got " + Dims(nd));
+    }
+    const auto vd = write->v.dimensions();
+    if (vd.size() != 3 || vd[0] != nd[0] || vd[1] != nd[1] || vd[2] != nd[2]) {
+      return Invalid("new values must have the new keys' shape " + Dims(nd) + ", got " + Dims(vd));
+    }
+    if (write->k.element_type() != k.element_type() || write->v.element_type() != k.element_type()) {
+      return Invalid("new keys and values must be stored in the pool's dtype");
+    }
+    if (write->slots.dimensions().size() != 1 || write->slots.dimensions()[0] != batch) {
+      return Invalid("slots must be [" + std::to_string(batch) + "], got " + Dims(write->slots.dimensions()));
+    }
+    if (write->k_pool.dimensions().size() != 3 || write->k_pool.dimensions()[0] != kd[0] ||
+        write->v_pool.dimensions().size() != 3 || write->v_pool.dimensions()[0] != kd[0]) {
+      return Invalid("the written pools must have the pools' shape " + Dims(kd));
+    }
+    p.new_k = static_cast<const unsigned char*>(write->k.untyped_data());
+    p.new_v = static_cast<const unsigned char*>(write->v.untyped_data());
+    p.slots = write->slots.typed_data();
+    // Read the pools where they are written: the results (XLA aliases them to the operands; were it
+    // to copy instead, the copies are what holds this step's tokens).
+    p.k = write->k_pool.untyped_data(), p.v = write->v_pool.untyped_data();
+  }
 
   bool launched = false;
   switch (k.element_type()) {
@@ -627,14 +696,38 @@ ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::An
 
 // Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
 // element the kernel fails to write shows.
+ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
+                           float softmax_scale, int32_t page, int32_t variant) {
+  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
+                nullptr);
+}
+
+// modelopt_paged_decode_write: this step's keys/values (already in the pool's dtype: the FP8 codes
+// XLA quantized, exactly as a scatter would store them) written into their slots by the decode
+// kernel itself, then attended over; the pools come back as results 3 and 4.
+ffi::Error PagedDecodeWriteCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer new_k,
+                                ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
+                                ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                                ffi::Result<ffi::Buffer<ffi::F32>> part_ml, ffi::Result<ffi::AnyBuffer> k_pool,
+                                ffi::Result<ffi::AnyBuffer> v_pool, float k_scale, float v_scale, float softmax_scale,
+                                int32_t page, int32_t variant) {
+  const NewTokens write{new_k, new_v, slots, *k_pool, *v_pool};
+  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
+                &write);
+}
+
 ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
                                    ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
                                    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                                    ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
                                    float softmax_scale, int32_t page, int32_t variant) {
-  return PagedDecodeCuda(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale,
-                         page, variant);
+  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
+                nullptr);
 }
 
 template <typename Binding>
@@ -664,6 +757,28 @@ auto BindOperands() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCuda, modelopt_jax::cuda::PagedDecodeCuda,
                               modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeWriteCuda, modelopt_jax::cuda::PagedDecodeWriteCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q [T, H, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // key pool [slots, KV, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // value pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block tables [T, W]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths [T]
+                                  .Arg<xla::ffi::AnyBuffer>()              // new keys [T, KV, D], pool dtype
+                                  .Arg<xla::ffi::AnyBuffer>()              // new values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // slots [T]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()              // key pool, aliased to operand 1
+                                  .Ret<xla::ffi::AnyBuffer>()              // value pool, aliased to operand 2
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale")
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int32_t>("page_size")
+                                  .Attr<int32_t>("variant"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCudaPoisoned, modelopt_jax::cuda::PagedDecodeCudaPoisoned,
                               modelopt_jax::cuda::BindResultsAndAttrs(

@@ -30,6 +30,8 @@ DECODE_KERNEL = "mma"
 _DECODE_VARIANTS = {"staged": 1, "mma": 2}  # the FFI attribute "variant"
 PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
 DECODE_SPLITS: int | None = None  # CTAs per (token, kv head) of the decode kernel; None: kernel_splits (sweeps)
+# Decode steps' keys/values written by the decode kernel itself (False: a scatter per pool first; A/B runs).
+FUSED_PAGE_WRITE = True
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
 
@@ -100,6 +102,48 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 
 
+def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                          slots: jax.Array, *, k_scale: float | None, v_scale: float | None, page_size: int,
+                          token_rows: jax.Array, positions: jax.Array, block_tables: jax.Array, dtype,
+                          row_tokens: jax.Array | None = None, backend: str = "auto"):
+    """This step's keys/values stored at ``slots``, then :func:`paged_attention`: ``(out, k_pool, v_pool)``.
+
+    ``k_new``/``v_new`` [T, KV, D] are already in the pool's dtype (``KVBuffer.encode``: FP8 codes
+    for FP8 pools); ``slots`` [T] is where each token's go. Decode steps (``row_tokens`` one wide:
+    one token per sequence) on CUDA write them inside the decode kernel -- the CTA that reads a
+    token's last page stores its row first -- so a step runs no scatter per pool and layer (two
+    launches of ~2.8 us each per layer at 64 rows on the H200). That needs what the engine's steps
+    guarantee: no token of the step reads a slot another token writes (no page is shared by two
+    sequences). Everything else (prompt steps, other platforms, :data:`FUSED_PAGE_WRITE` off,
+    ``backend`` other than "auto" or "fused_kernel") scatters first and calls :func:`paged_attention`.
+    """
+    attend = functools.partial(paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size, dtype=dtype,
+                               row_tokens=row_tokens)
+
+    def scatter_then_attend(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables):
+        k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+        out = attend(q, k_pool, v_pool, token_rows=token_rows, positions=positions, block_tables=block_tables,
+                     backend="auto" if backend == "fused_kernel" else backend)
+        return out, k_pool, v_pool
+
+    operands = (q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables)
+    fused = functools.partial(_kernel_write_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
+                              dtype=dtype)
+    if backend == "fused_kernel":
+        return fused(*operands)
+    one_token_rows = row_tokens is not None and row_tokens.shape[1] == 1 and q.shape[0] <= 2 * block_tables.shape[0]
+    if (backend != "auto" or not FUSED_PAGE_WRITE or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype)
+            or not _write_kernel_built()):
+        return scatter_then_attend(*operands)
+    return jax.lax.platform_dependent(*operands, cuda=fused, default=scatter_then_attend)
+
+
+def _write_kernel_built() -> bool:
+    from modelopt_jax.ops import native
+
+    return native.has_paged_decode_write_kernel()
+
+
 def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
     """Whether the CUDA decode kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
     from modelopt_jax.ops import native
@@ -160,11 +204,11 @@ def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 
     return int(max(1, min(want, table_width, 32)))
 
 
-def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                            dtype, out_init=None):
+def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size, dtype):
+    """The decode kernel's common operands, result types (output, split partials) and attributes."""
     from modelopt_jax.ops import native
 
-    native.cuda_library()  # registers the kernel's FFI target
+    native.cuda_library()  # registers the kernel's FFI targets
     t, h, d = q.shape
     kv = k_pool.shape[1]
     g = h // kv
@@ -178,17 +222,46 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
                  jax.ShapeDtypeStruct((t, kv, splits, g, d), jnp.float32),
                  jax.ShapeDtypeStruct((t, kv, splits, g, 2), jnp.float32))
     operands = [q.astype(jnp.float32), k_pool, v_pool, tables.astype(jnp.int32), (positions + 1).astype(jnp.int32)]
+    attrs = dict(k_scale=np.float32(1.0 if k_scale is None else k_scale),
+                 v_scale=np.float32(1.0 if v_scale is None else v_scale),
+                 softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
+                 variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(k_pool.dtype, dtype)]))
+    return operands, out_types, attrs
+
+
+def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
+                            dtype, out_init=None):
+    from modelopt_jax.ops import native
+
+    operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
+                                              v_scale=v_scale, page_size=page_size, dtype=dtype)
     target, aliases = native.PAGED_DECODE_TARGET, {}
     if out_init is not None:
         target, aliases = native.PAGED_DECODE_POISONED_TARGET, {len(operands): 0}
         operands.append(out_init)
     call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all", input_output_aliases=aliases)
-    out, _, _ = call(*operands,
-                     k_scale=np.float32(1.0 if k_scale is None else k_scale),
-                     v_scale=np.float32(1.0 if v_scale is None else v_scale),
-                     softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
-                     variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(k_pool.dtype, dtype)]))
+    out, _, _ = call(*operands, **attrs)
+    t, h, d = q.shape
     return out.reshape(t, h * d).astype(dtype)
+
+
+def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables, *,
+                                  k_scale, v_scale, page_size, dtype):
+    """The decode kernel writing this step's rows into the pools (results 3, 4: the pools, in place)."""
+    from modelopt_jax.ops import native
+
+    if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
+        raise ValueError(f"new keys/values ({k_new.dtype}, {v_new.dtype}) must be in the pool's dtype "
+                         f"({k_pool.dtype}): pass KVBuffer.encode(...)")
+    operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
+                                              v_scale=v_scale, page_size=page_size, dtype=dtype)
+    operands += [k_new, v_new, slots.astype(jnp.int32)]
+    out_types += (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+    call = jax.ffi.ffi_call(native.PAGED_DECODE_WRITE_TARGET, out_types, vmap_method="broadcast_all",
+                            input_output_aliases={1: 3, 2: 4})
+    out, _, _, k_pool, v_pool = call(*operands, **attrs)
+    t, h, d = q.shape
+    return out.reshape(t, h * d).astype(dtype), k_pool, v_pool
 
 
 def _prefill_kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale,

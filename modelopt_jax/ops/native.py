@@ -20,6 +20,7 @@ import jax
 TARGET = "modelopt_fp8_gemm"
 PAGED_DECODE_TARGET = "modelopt_paged_decode"
 PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output aliased to a NaN-filled operand
+PAGED_DECODE_WRITE_TARGET = "modelopt_paged_decode_write"  # the decode kernel writing this step's keys/values too
 PAGED_PREFILL_TARGET = "modelopt_paged_prefill"
 PAGED_PREFILL_POISONED_TARGET = "modelopt_paged_prefill_poisoned"
 CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
@@ -72,6 +73,9 @@ def cuda_library() -> ctypes.CDLL | None:
                                     platform="CUDA")
         jax.ffi.register_ffi_target(PAGED_DECODE_POISONED_TARGET,
                                     jax.ffi.pycapsule(lib.ModeloptPagedDecodeCudaPoisoned), platform="CUDA")
+    if hasattr(lib, "ModeloptPagedDecodeWriteCuda"):
+        jax.ffi.register_ffi_target(PAGED_DECODE_WRITE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeWriteCuda),
+                                    platform="CUDA")
     if hasattr(lib, "ModeloptPagedPrefillCuda"):
         jax.ffi.register_ffi_target(PAGED_PREFILL_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedPrefillCuda),
                                     platform="CUDA")
@@ -112,6 +116,11 @@ def has_cuda_handler() -> bool:
 def has_paged_decode_kernel() -> bool:
     lib = cuda_library()
     return lib is not None and hasattr(lib, "ModeloptPagedDecodeCuda")
+
+
+def has_paged_decode_write_kernel() -> bool:
+    lib = cuda_library()
+    return lib is not None and hasattr(lib, "ModeloptPagedDecodeWriteCuda")
 
 
 def has_paged_prefill_kernel() -> bool:
