@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -133,12 +134,31 @@ def run_sharded(module: nnx.Module, method: Callable, mesh: Mesh, args: tuple, a
     """``method(module, *args)`` under ``shard_map``: each device runs it on its local block.
 
     ``module``'s state is passed with the specs of :func:`state_specs`; ``method`` is called on the
-    module rebuilt from the local blocks (its skeleton is already one device's).
+    module rebuilt from the local blocks (its skeleton is already one device's). The shard_map runs
+    as one compiled program, cached per (model structure, method, mesh, specs): called eagerly, a
+    bare shard_map dispatches op by op (38 s per call of the 4-layer demo at TP=2 on a CPU, against
+    ~0.1 s compiled); inside a user's ``jax.jit`` the program is inlined as any jitted call is.
     """
     graphdef, state = nnx.split(module)
+    is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    arg_leaves, arg_tree = jax.tree.flatten(tuple(arg_specs), is_leaf=is_spec)
+    out_leaves, out_tree = jax.tree.flatten(out_specs, is_leaf=is_spec)
+    program = _sharded_program(graphdef, method, mesh, arg_tree, tuple(arg_leaves), out_tree, tuple(out_leaves))
+    return program(state, *args)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_program(graphdef, method: Callable, mesh: Mesh, arg_tree, arg_leaves: tuple, out_tree,
+                     out_leaves: tuple):
+    """The jitted shard_map of ``method`` for one model structure (its arrays are arguments)."""
+    arg_specs = jax.tree.unflatten(arg_tree, arg_leaves)
+    out_specs = jax.tree.unflatten(out_tree, out_leaves)
 
     def body(local_state, *local_args):
         return method(nnx.merge(graphdef, local_state), *local_args)
 
-    return shard_map(body, mesh, in_specs=(state_specs(state),) + tuple(arg_specs), out_specs=out_specs)(
-        state, *args)
+    def run(state, *args):
+        return shard_map(body, mesh, in_specs=(state_specs(state),) + tuple(arg_specs), out_specs=out_specs)(
+            state, *args)
+
+    return jax.jit(run)
