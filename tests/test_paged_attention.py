@@ -250,7 +250,7 @@ def test_cuda_kernel_is_what_auto_runs_on_gpu():
 
 
 def _decode_step(seed, pool_dtype, *, heads=32, kv_heads=8, head_dim=128, page=16,
-                 contexts=(1024, 1, 17, 16, 300, 2000, 64, 5)):
+                 contexts=(1024, 1, 17, 16, 300, 2000, 64, 5, 100, 65, 129)):
     """A decode step as the engine packs it: one token per sequence at its last position (one past
     what its pages held), padding tokens of row 0 at position 0 writing to the scratch page 0,
     row_tokens one wide. Returns the case plus the step's new stored rows and slots."""
@@ -277,14 +277,17 @@ def _decode_step(seed, pool_dtype, *, heads=32, kv_heads=8, head_dim=128, page=1
 
 @pytest.mark.parametrize("pool_dtype", ["bfloat16", "float16", "float8_e4m3fn"])
 @pytest.mark.parametrize("variant", ["mma", "staged"])
+@pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
-def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, monkeypatch):
+def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, splits, monkeypatch):
     """The decode kernel that writes the step's keys/values itself leaves the pools bit for bit as a
     scatter does and attends over them bit for bit as the plain kernel does after the scatter (the
     same kernel reads the same bytes); its output also matches the float64 reference over the
-    written pools. Real tokens' rows sit at page starts, page ends and mid-page."""
+    written pools. Real tokens' rows sit at page starts, page ends and mid-page, and (the MMA
+    kernel stores as late as it can) in a CTA's first 64-key tile, its second and later ones."""
     monkeypatch.setattr(attention, "DECODE_KERNEL", variant)
+    monkeypatch.setattr(attention, "DECODE_SPLITS", splits)
     dtype = "float16" if pool_dtype == "float16" else "bfloat16"
     c, k_new, v_new, slots = _decode_step(5, pool_dtype)
     c["dtype"] = dtype

@@ -57,16 +57,18 @@ struct Params {
 };
 
 // The fused write: the CTA whose split holds token b's last position (the one this step appends)
-// stores the token's key and value rows for kv head kvh into the pool before it reads any page, so
-// the step needs no scatter per pool and layer. Only that CTA reads the slot in this launch, and
-// its own threads see the stores after the barrier (cp.async reads through L2, where they land).
-// Each token must be the only one of the launch that writes to or reads this slot: the engine's
-// decode steps (one token per sequence, pages owned by one sequence). A slot outside the pool is
-// not written. The branch is uniform over the CTA, so the barrier is too.
+// stores the token's key and value rows for kv head kvh into the pool before its copies read that
+// slot, so the step needs no scatter per pool and layer. Only that CTA reads the slot in this
+// launch, and its own threads see the stores after a barrier (cp.async reads through L2, where
+// they land). Each token must be the only one of the launch that writes to or reads this slot:
+// the engine's decode steps (one token per sequence, pages owned by one sequence). A slot outside
+// the pool is not written. ``WritesNewToken`` is uniform over the CTA, so the callers' barriers are.
+__device__ __forceinline__ bool WritesNewToken(const Params& p, int split, int per_split, int seq_pages) {
+  return p.new_k != nullptr && seq_pages > 0 && (seq_pages - 1) / per_split == split;
+}
+
 template <typename T, int D>
-__device__ __forceinline__ void WriteNewToken(const Params& p, int b, int kvh, int split, int per_split,
-                                              int seq_pages) {
-  if (p.new_k == nullptr || seq_pages == 0 || (seq_pages - 1) / per_split != split) return;
+__device__ __forceinline__ void StoreNewToken(const Params& p, int b, int kvh) {
   const int64_t slot = p.slots[b];
   if (slot < 0 || slot >= p.num_slots) return;
   constexpr int kRowBytes = D * (int)sizeof(T), kChunks = kRowBytes / 16;
@@ -79,7 +81,6 @@ __device__ __forceinline__ void WriteNewToken(const Params& p, int b, int kvh, i
                          ((size_t)slot * p.kv_heads + kvh) * kRowBytes + part;
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
   }
-  __syncthreads();
 }
 
 // How a lane loads and converts its slice of a key/value row: kElems elements in one load.
@@ -190,7 +191,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
   const int per_split = (seq_pages + p.splits - 1) / p.splits;
   const int page_begin = split * per_split;
   const int page_end = min(seq_pages, page_begin + per_split);
-  WriteNewToken<T, D>(p, b, kvh, split, per_split, seq_pages);
+  if (WritesNewToken(p, split, per_split, seq_pages)) {
+    StoreNewToken<T, D>(p, b, kvh);
+    __syncthreads();  // before any copy reads the slot
+  }
 
   float q[G][kElems];
 #pragma unroll
@@ -383,7 +387,17 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
   const int tok_begin = page_begin * p.page;
   const int tok_end = min(length, page_end * p.page);
   const int tiles = tok_end > tok_begin ? (tok_end - tok_begin + kMmaKeys - 1) / kMmaKeys : 0;
-  WriteNewToken<T, D>(p, b, kvh, split, per_split, seq_pages);
+  // The fused write, as late as it can be: the tile holding the new position is issued by the
+  // prologue (tiles 0 .. kMmaStages - 2: store, then a barrier first), at the top of iteration 0
+  // (tile kMmaStages - 1: store after the prologue, then a barrier), or later, after iteration 0's
+  // barriers (store after the prologue; no barrier of its own). A CTA thus stores while its first
+  // tiles are in flight instead of waiting on the slot and row loads before issuing any copy.
+  const bool writes = WritesNewToken(p, split, per_split, seq_pages);
+  const int new_tile = writes ? (length - 1 - tok_begin) / kMmaKeys : -1;
+  if (writes && new_tile < kMmaStages - 1) {
+    StoreNewToken<T, D>(p, b, kvh);
+    __syncthreads();
+  }
 
   // Q as A fragments: row gq's columns (c, c + 1) and (c + 8, c + 9) of each 16-column k-step;
   // rows 8..15 (a1, a3) are zeros.
@@ -429,6 +443,10 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
 
 #pragma unroll
   for (int s = 0; s + 1 < kMmaStages; ++s) issue(s);
+  if (writes && new_tile >= kMmaStages - 1) {
+    StoreNewToken<T, D>(p, b, kvh);
+    if (new_tile == kMmaStages - 1) __syncthreads();
+  }
   for (int tile = 0; tile < tiles; ++tile) {
     issue(tile + kMmaStages - 1);
     attention::WaitAsync<kMmaStages - 1>();  // this thread's copies of `tile` have landed...
