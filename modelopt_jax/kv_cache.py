@@ -114,15 +114,8 @@ class KVBuffer:
     def read(self, dtype) -> jax.Array:
         return self._decode(self.data, dtype)
 
-    # paged storage: ``data`` is [slots, kv_heads, head_dim], slot = page * page_size + offset
-    def write_slots(self, slots: jax.Array, x: jax.Array) -> "KVBuffer":
-        """``x`` [N, kv_heads, head_dim] stored at ``slots`` [N] (quantized if FP8).
-
-        In place on GPU when the pool is donated. XLA:CPU copies a scatter's whole operand (~20 ms
-        per 268 MB layer pool here), which is why the engine's default pool on CPU is small.
-        """
-        return KVBuffer(self.data.at[slots].set(self.encode(x)), self.scale)
-
+    # paged storage: ``data`` is [slots, kv_heads, head_dim], slot = page * page_size + offset;
+    # a step's rows are written by modelopt_jax.ops.attention.paged_write_attention
     def with_data(self, data: jax.Array) -> "KVBuffer":
         """The same buffer (scale) over new stored ``data`` -- e.g. a pool an op wrote in place."""
         return KVBuffer(data, self.scale)

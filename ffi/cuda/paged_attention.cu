@@ -748,16 +748,26 @@ ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q,
                 nullptr);
 }
 
+// Results: output [T, H, D], split partials o [T, KV, S, G, D] and (max, sum) [T, KV, S, G, 2].
 template <typename Binding>
-auto BindResultsAndAttrs(Binding b) {
+auto BindResults(Binding&& b) {  // by reference: a Binding cannot be moved from outside
   return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<float>("k_scale")
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+template <typename Binding>
+auto BindAttrs(Binding&& b) {
+  return std::move(b).template Attr<float>("k_scale")
       .template Attr<float>("v_scale")
       .template Attr<float>("softmax_scale")
       .template Attr<int32_t>("page_size")
       .template Attr<int32_t>("variant");
+}
+
+template <typename Binding>
+auto BindResultsAndAttrs(Binding b) {
+  return BindAttrs(BindResults(std::move(b)));
 }
 
 auto BindOperands() {
@@ -777,26 +787,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCuda, modelopt_jax::cuda::Paged
                               modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeWriteCuda, modelopt_jax::cuda::PagedDecodeWriteCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // q [T, H, D]
-                                  .Arg<xla::ffi::AnyBuffer>()              // key pool [slots, KV, D]
-                                  .Arg<xla::ffi::AnyBuffer>()              // value pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block tables [T, W]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lengths [T]
-                                  .Arg<xla::ffi::AnyBuffer>()              // new keys [T, KV, D], pool dtype
-                                  .Arg<xla::ffi::AnyBuffer>()              // new values
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // slots [T]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::AnyBuffer>()              // key pool, aliased to operand 1
-                                  .Ret<xla::ffi::AnyBuffer>()              // value pool, aliased to operand 2
-                                  .Attr<float>("k_scale")
-                                  .Attr<float>("v_scale")
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<int32_t>("page_size")
-                                  .Attr<int32_t>("variant"),
+                              modelopt_jax::cuda::BindAttrs(
+                                  modelopt_jax::cuda::BindResults(modelopt_jax::cuda::BindOperands()
+                                                                      .Arg<xla::ffi::AnyBuffer>()  // new keys [T, KV, D]
+                                                                      .Arg<xla::ffi::AnyBuffer>()  // new values
+                                                                      .Arg<xla::ffi::Buffer<xla::ffi::S32>>())  // slots
+                                      .Ret<xla::ffi::AnyBuffer>()    // key pool, aliased to operand 1
+                                      .Ret<xla::ffi::AnyBuffer>()),  // value pool, aliased to operand 2
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCudaPoisoned, modelopt_jax::cuda::PagedDecodeCudaPoisoned,
                               modelopt_jax::cuda::BindResultsAndAttrs(

@@ -73,7 +73,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     force one. ``out_init`` (kernels only, tests): a float32 [T, H, D] operand aliased to the
     kernel's output, e.g. NaN-filled so that an element the kernel does not write shows.
     """
-    decode_like = q.shape[0] <= 2 * block_tables.shape[0]
+    decode_like = _decode_like(q, block_tables)
     prompt_like = row_tokens is not None and row_tokens.shape[1] > 1
     xla = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
                             dtype=dtype, row_tokens=row_tokens)
@@ -116,6 +116,8 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
     guarantee: no token of the step reads a slot another token writes (no page is shared by two
     sequences). Everything else (prompt steps, other platforms, :data:`FUSED_PAGE_WRITE` off,
     ``backend`` other than "auto" or "fused_kernel") scatters first and calls :func:`paged_attention`.
+    The scatter is in place on GPU when the pool is donated; XLA:CPU copies a scatter's whole
+    operand (~20 ms per 268 MB layer pool), which is why the engine's default pool on CPU is small.
     """
     attend = functools.partial(paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size, dtype=dtype,
                                row_tokens=row_tokens)
@@ -131,11 +133,17 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
                               dtype=dtype)
     if backend == "fused_kernel":
         return fused(*operands)
-    one_token_rows = row_tokens is not None and row_tokens.shape[1] == 1 and q.shape[0] <= 2 * block_tables.shape[0]
+    one_token_rows = row_tokens is not None and row_tokens.shape[1] == 1 and _decode_like(q, block_tables)
     if (backend != "auto" or not FUSED_PAGE_WRITE or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype)
             or not _write_kernel_built()):
         return scatter_then_attend(*operands)
     return jax.lax.platform_dependent(*operands, cuda=fused, default=scatter_then_attend)
+
+
+def _decode_like(q, block_tables) -> bool:
+    """At most two tokens per row on average: steps the decode kernel serves (it reads each token's
+    pages separately, which prompt chunks of many tokens per sequence would re-read)."""
+    return q.shape[0] <= 2 * block_tables.shape[0]
 
 
 def _write_kernel_built() -> bool:
