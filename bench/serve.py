@@ -167,6 +167,36 @@ def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, t
     return out
 
 
+def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) -> dict:
+    """One decode step of ``workload_name`` in launch order: the kernels between the last two
+    lm_head GEMMs (cuBLAS "nvjet" kernels: nothing else in a step runs cuBLAS) of a traced run,
+    each with its duration and the idle gap before it -- one layer's chain of launches, and how
+    much of the step is gaps rather than kernels."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from timing import kernel_sequence
+
+    prompts, _ = workload(workload_name, vocab)
+    p = SamplingParams(max_tokens=new, ignore_eos=True)
+    run(llm, prompts, p)  # compiled and warm
+    seq = kernel_sequence(lambda: run(llm, prompts, p))
+    heads = [i for i, (_, _, name) in enumerate(seq) if name.startswith("nvjet")]
+    if len(heads) < 2:
+        return {"error": f"found {len(heads)} lm_head launches"}
+    step = seq[heads[-2] + 1:heads[-1] + 1]
+    rows, prev_end = [], seq[heads[-2]][0] + seq[heads[-2]][1]
+    for start, dur, name in step:
+        rows.append({"gap_us": (start - prev_end) / 1e3, "us": dur / 1e3, "name": name[:160]})
+        prev_end = start + dur
+    span = (prev_end - (seq[heads[-2]][0] + seq[heads[-2]][1])) / 1e3
+    busy = sum(r["us"] for r in rows)
+    out = {"kernels": len(rows), "span_us": span, "busy_us": busy, "gaps_us": span - busy, "step": rows}
+    print(f"({workload_name}) one decode step: {len(rows)} kernels, {span:.0f} us from lm_head to lm_head, "
+          f"{busy:.0f} us busy, {span - busy:.0f} us of gaps; its first 40 kernels:", flush=True)
+    for r in rows[:40]:
+        print(f"  gap {r['gap_us']:6.2f}  {r['us']:7.2f} us  {r['name'][:100]}")
+    return out
+
+
 def run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, dict(llm.last_stats)
@@ -213,6 +243,8 @@ def main():
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
                     help="after the workloads, run (b) again under these EngineConfig changes (repeatable), "
                          "e.g. max_num_seqs=512,prefill_wait_steps=0")
+    ap.add_argument("--trace-step", default=None, metavar="WORKLOADS",
+                    help="one decode step of each workload in launch order (kernels, durations, gaps)")
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
                     help="after the workloads, the GPU kernels of these workloads' decode and prompt steps "
                          "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state)")
@@ -285,6 +317,8 @@ def main():
         report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant)
     for name in (args.profile.split(",") if args.profile else []):
         report[f"profile_{name}"] = profile_workload(llm, model.config.vocab_size, name)
+    for name in (args.trace_step.split(",") if args.trace_step else []):
+        report[f"trace_{name}"] = trace_decode_step(llm, model.config.vocab_size, name)
     stats = dev.memory_stats() or {}
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "

@@ -92,6 +92,36 @@ def kernel_times(run) -> dict[str, list[int]]:
     return kernels
 
 
+def kernel_sequence(run) -> list[tuple[int, int, str]]:
+    """The GPU kernels CUPTI records while ``run()`` executes, in launch order: ``[(start ns,
+    duration ns, name)]`` of the busiest stream (a decode step's chain of kernels, to read one
+    layer's launches and the gaps between them)."""
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(files[0])
+        best: list[tuple[int, int, str]] = []
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for ln in plane.lines:
+                if "stream" not in ln.name.lower():
+                    continue
+                events = [(e.start_ns, e.duration_ns, e.name) for e in ln.events]
+                if len(events) > len(best):
+                    best = events
+    return sorted(best)
+
+
 def device_seconds(run, reps: int) -> float:
     """GPU busy time per call: the sum of all kernel durations while ``run()`` executes ``reps``
     calls, divided by ``reps``. Unlike wall time this excludes host launch gaps, so JAX programs and

@@ -5,7 +5,10 @@ scheduler ``swizzle`` and ``raster``, on Llama-3 shapes for each M, prints the b
 writes JSON. The chosen table goes into ffi/cuda/sm90_configs.cu (ChooseSm90Config) and the
 measurements into bench/RESULTS.md.
 
-    python bench/tune_gemm.py [--shapes 8B.qkv,8B.down] [--ms 1,16,128] [--json tune.json]
+    python bench/tune_gemm.py [--shapes 8B.qkv,8B.down,8192x2048] [--ms 1,16,128] [--json tune.json]
+
+A shape is a name of ``gemm.SHAPES`` or ``NxK`` (e.g. 8192x2048: the grid and per-CTA work that an
+explicit split-K of 2 would give 8B.o_proj, 4096x4096, measured before building one).
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ def _label(tile: int, swizzle: int, raster: int) -> str:
     return f"{tile}" + (f"s{swizzle}" if swizzle > 1 else "") + (f"r{raster}" if raster else "")
 
 
+def parse_shape(shape: str) -> tuple[int, int]:
+    """(N, K) of a ``gemm.SHAPES`` name or of ``NxK``."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    n, sep, k = shape.partition("x")
+    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+        raise SystemExit(f"--shapes: {shape!r} is neither one of {sorted(SHAPES)} nor NxK (e.g. 8192x2048)")
+    return int(n), int(k)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -60,7 +73,7 @@ def main():
     print("# configs:", names, flush=True)
     results = []
     for shape in args.shapes.split(","):
-        n, k = SHAPES[shape]
+        n, k = parse_shape(shape)
         for m in [int(v) for v in args.ms.split(",")]:
             flops = 2.0 * m * n * k
             reps = repetitions(n * k + m * k + 2 * m * n, 40 if flops < 1e11 else 8)
