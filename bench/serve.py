@@ -60,6 +60,10 @@ def workload(name: str, vocab: int):
     if name == "b256":  # (b)'s steady state for --profile: 256 rows of ~700 tokens (its mean context)
         prompts = [rng.integers(10, vocab, 700).tolist() for _ in range(256)]
         return prompts, [SamplingParams(max_tokens=128, ignore_eos=True)] * 256
+    if name in ("c1024", "c4096"):  # (c)'s one request, for --trace-step / --profile
+        context = int(name[1:])
+        return [np.random.default_rng(1).integers(10, vocab, context - 64).tolist()], \
+            [SamplingParams(max_tokens=64, ignore_eos=True)]
     raise ValueError(name)
 
 
@@ -168,32 +172,39 @@ def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, t
 
 
 def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) -> dict:
-    """One decode step of ``workload_name`` in launch order: the kernels between the last two
-    lm_head GEMMs (cuBLAS "nvjet" kernels: nothing else in a step runs cuBLAS) of a traced run,
-    each with its duration and the idle gap before it -- one layer's chain of launches, and how
-    much of the step is gaps rather than kernels."""
+    """One decode step of ``workload_name`` in launch order: a traced run's kernels from one
+    first-layer decode-attention launch to the next step's (a step runs one per layer; the
+    second-to-last step, so the window is whole), each with its duration and the idle gap before
+    it -- one layer's chain of launches, and how much of the step is gaps rather than kernels."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import kernel_sequence
 
+    layers = llm.model.config.num_hidden_layers
     prompts, _ = workload(workload_name, vocab)
     p = SamplingParams(max_tokens=new, ignore_eos=True)
     run(llm, prompts, p)  # compiled and warm
     seq = kernel_sequence(lambda: run(llm, prompts, p))
-    heads = [i for i, (_, _, name) in enumerate(seq) if name.startswith("nvjet")]
-    if len(heads) < 2:
-        return {"error": f"found {len(heads)} lm_head launches"}
-    step = seq[heads[-2] + 1:heads[-1] + 1]
-    rows, prev_end = [], seq[heads[-2]][0] + seq[heads[-2]][1]
-    for start, dur, name in step:
+    attention = [i for i, (_, _, name) in enumerate(seq) if "PagedDecode" in name]
+    if len(attention) < 2 * layers:
+        return {"error": f"found {len(attention)} decode-attention launches, fewer than two steps of {layers}"}
+    first, stop = attention[-2 * layers], attention[-layers]
+    rows, prev_end = [], seq[first][0]
+    for start, dur, name in seq[first:stop]:
         rows.append({"gap_us": (start - prev_end) / 1e3, "us": dur / 1e3, "name": name[:160]})
         prev_end = start + dur
-    span = (prev_end - (seq[heads[-2]][0] + seq[heads[-2]][1])) / 1e3
+    span = (seq[stop][0] - seq[first][0]) / 1e3  # to the next step's first kernel: its host gap included
     busy = sum(r["us"] for r in rows)
+    by_name: dict[str, list] = {}
+    for r in rows:
+        entry = by_name.setdefault(r["name"][:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += r["us"]
     out = {"kernels": len(rows), "span_us": span, "busy_us": busy, "gaps_us": span - busy, "step": rows}
-    print(f"({workload_name}) one decode step: {len(rows)} kernels, {span:.0f} us from lm_head to lm_head, "
-          f"{busy:.0f} us busy, {span - busy:.0f} us of gaps; its first 40 kernels:", flush=True)
-    for r in rows[:40]:
-        print(f"  gap {r['gap_us']:6.2f}  {r['us']:7.2f} us  {r['name'][:100]}")
+    print(f"({workload_name}) one decode step: {len(rows)} kernels, {span:.0f} us from its first kernel to the "
+          f"next step's, {busy:.0f} us busy, {span - busy:.0f} us of gaps; the kernels with the most time:",
+          flush=True)
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {us:8.1f} us  {count:4d} x {us / count:7.2f}  {name}")
     return out
 
 
@@ -247,7 +258,7 @@ def main():
                     help="one decode step of each workload in launch order (kernels, durations, gaps)")
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
                     help="after the workloads, the GPU kernels of these workloads' decode and prompt steps "
-                         "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state)")
+                         "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state; c1024, c4096: (c)'s request)")
     ap.add_argument("--attention-kernel", choices=["mma", "staged"], default="mma",
                     help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
     ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
