@@ -5,11 +5,18 @@
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
 #                             [prefill-tests] [attn-prefill]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
-#                                    [engine K=V[,K=V]]...]
+#                                    [noprefix] [engine K=V[,K=V]]...]
+#                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
 #   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
+# peer CKPT_DIR WORKLOADS [noprefix] [fp8]: vLLM 0.26.0 (unpacked into /tmp/vsite by tools/peer's
+#   device_unpack.sh) on serve's workloads (bench/peer_vllm_workloads.py; noprefix: its prefix caching off;
+#   fp8: FP8 KV cache), into $OUT/vllm_<workloads>[_noprefix][_fp8].json. A serve step after it in the same
+#   session prints ours/vLLM per workload from that JSON (PEER_JSON=PATH names another one instead). It runs
+#   without the project on PYTHONPATH, so the repository root's packages (models/, tests/) shadow nothing
+#   vLLM imports.
 # serve ... profile: the CUPTI kernel tables of the workloads in PROFILE_WORKLOADS (default a; b256: 256 rows
 #   of 700 tokens, (b)'s steady state).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
@@ -100,15 +107,27 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention-kernel staged)
         [ "$1" = noprefill ] && extra+=(--prefill-kernel off); [ "$1" = nofusedwrite ] && extra+=(--fused-page-write off)
+        [ "$1" = noprefix ] && extra+=(--no-prefix-caching)  # LLM(enable_prefix_caching=False)
         tag+="_$1"; shift
       done
+      pj=${PEER_JSON:-${peer_json:-}}; [ -n "$pj" ] && [ -f "$pj" ] && extra+=(--peer-json "$pj")  # ours/vLLM
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;
+    peer) ckpt=$2; workloads=$3; shift 3; tag=${workloads//,/_}; extra=()
+      while [ $# -gt 0 ] && { [ "$1" = noprefix ] || [ "$1" = fp8 ]; }; do  # noprefix: prefix caching off
+        [ "$1" = noprefix ] && extra+=(--no-prefix-caching); [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8)
+        tag+="_$1"; shift
+      done
+      [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
+      [ -f "$ckpt/config.json" ] || (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', 'llama3-8b')")
+      peer_json=$OUT/vllm_$tag.json
+      env -u PYTHONPATH python3 bench/peer_vllm_workloads.py --checkpoint "$ckpt" --workloads "$workloads" "${extra[@]}" \
+        --json "$peer_json" 2>&1 | tee "$OUT/vllm_$tag.log" | tail -30 ;;
     serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset llama3-8b \

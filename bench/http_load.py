@@ -420,7 +420,7 @@ def parse_args(argv=None):
     ap.add_argument("--json")
     for name, default in (("--dtype", "bfloat16"), ("--kv-cache-dtype", "auto")):
         ap.add_argument(name, default=default, help="server and LLM option")
-    for name, default in (("--max-model-len", None), ("--max-num-seqs", None), ("--max-prefill-tokens", 2048)):
+    for name, default in (("--max-model-len", None), ("--max-num-seqs", None), ("--max-num-batched-tokens", 8192)):
         ap.add_argument(name, type=int, default=default, help="server and LLM option")
     args = ap.parse_args(argv)
     if args.write_preset and not args.checkpoint:
@@ -433,7 +433,7 @@ def parse_args(argv=None):
 def model_options(args, tokenizer: str | None) -> tuple[list[str], dict]:
     """The same model/engine options as serve's command line and as LLM keyword arguments."""
     kwargs = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
-              "max_num_seqs": args.max_num_seqs, "max_prefill_tokens": args.max_prefill_tokens, "tokenizer": tokenizer}
+              "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens, "tokenizer": tokenizer}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     cli = [x for k, v in kwargs.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     return cli, kwargs

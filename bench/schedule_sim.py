@@ -1,8 +1,8 @@
 """The engine's schedule for a workload, without a model or a device: steps, their composition and
 the programs they compile (``step_shape``), for tuning the scheduler and the bucketing on a CPU.
 
-    python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs N] [--max-prefill-tokens 2048]
-                                 [--prefill-wait-steps 8]
+    python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs N] [--max-num-batched-tokens 8192]
+                                 [--reserve-tokens 1024]
 
 ``--pages`` defaults to the pool ``LLM`` gives the synthetic 8B FP8 checkpoint on the H200 (bf16
 pages, kv_cache_memory_fraction 0.9). Every sampled token is a fixed id and no request stops
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import sys
 
@@ -28,6 +29,7 @@ from modelopt_jax.engine.engine import default_max_num_seqs  # noqa: E402
 from modelopt_jax.engine.pages import PagePool  # noqa: E402
 from modelopt_jax.engine.request import Request  # noqa: E402
 from modelopt_jax.engine.runner import step_shape  # noqa: E402
+from modelopt_jax.ops.paged_step import AttentionConfig  # noqa: E402
 from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
@@ -37,6 +39,8 @@ def workload(name: str) -> list[tuple[int, int]]:
     rng = np.random.default_rng(0)
     if name == "a":
         return [(1024, 128)] * 64
+    if name == "d":
+        return [(1000, 1000)] * 1000
     out = []
     for _ in range(1000):
         n = int(rng.integers(64, 1025))
@@ -56,21 +60,22 @@ def step_seconds(batch) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="b", choices=["a", "b"])
+    ap.add_argument("--workload", default="b", choices=["a", "b", "d"])
     ap.add_argument("--pages", type=int, default=53469)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: what the engine picks for the pool")
-    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--prefill-wait-steps", type=int, default=8)
+    ap.add_argument("--reserve-tokens", type=int, default=1024)
     args = ap.parse_args()
     if args.max_num_seqs is None:
         args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
-    requests = [Request(i, None, [5] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
+    requests = [Request(i, None, [10 + i] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
                         np.zeros(2, np.uint32)) for i, (n, m) in enumerate(workload(args.workload))]
     pool = PagePool(args.pages, args.page_size)
-    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
-                          prefill_wait_steps=args.prefill_wait_steps)
+    scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          reserve_tokens=args.reserve_tokens)
+    attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel")  # the H200's paths
     for r in requests:
         scheduler.add(r)
     table_width = -(-args.max_model_len // args.page_size)
@@ -80,19 +85,19 @@ def main():
     while not scheduler.done:
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
-        key = step_shape(batch, table_width)
+        key = step_shape(batch, attention, table_width)
         shapes[key] += 1
-        prompt = key[3] > 1
+        prompt = key.prompt_rows > 0
         rows_hist["prompt" if prompt else "decode"] += len(batch)
         real += sum(n for _, n in batch)
-        padded += key[0]
+        padded += key.tokens
         for r, n in batch:
             r.computed += n
             if r.pending == 0:
                 r.accept(7, 0.0, [], [])
                 if r.finish_reason:
                     scheduler.finish(r)
-    prompt_steps = sum(v for k, v in shapes.items() if k[3] > 1)
+    prompt_steps = sum(v for k, v in shapes.items() if k.prompt_rows > 0)
     decode_steps = sum(shapes.values()) - prompt_steps
     print(f"workload {args.workload}: {len(requests)} requests, {prompt_steps} prompt steps "
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
@@ -102,9 +107,9 @@ def main():
     total = seconds["prompt"] + seconds["decode"]
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
           f"{generated / total:,.0f} generated tok/s")
-    print("tokens rows table-width row-width: steps")
+    print("decode-rows prompt-tokens prompt-rows prompt-width table-width: steps")
     for k, v in sorted(shapes.items()):
-        print(*k, ":", v)
+        print(*dataclasses.astuple(k), ":", v)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,26 @@
 """Engine benchmark: ``LLM.generate`` itself, with its defaults, on realistic prompt counts and lengths.
 
 Run on the H200 (not a test):
-    python bench/serve.py --checkpoint DIR [--write-preset llama3-8b] [--workloads a,b,c] [--json out.json]
-                          [--kv-cache-dtype fp8] [--static-peer] [--profile]
+    python bench/serve.py --checkpoint DIR [--write-preset llama3-8b] [--workloads a,b,c,d,e,f] [--json out.json]
+                          [--kv-cache-dtype fp8] [--static-peer] [--profile] [--peer-json vllm.json] [--scale 0.02]
+    python bench/serve.py --compare ours.json --peer-json vllm.json     (the ratio table of two earlier runs)
 
 ``--write-preset`` first writes a synthetic ModelOpt FP8 checkpoint (``modelopt_jax.synthetic``,
 unequal shard scales as real exports have) into DIR if it holds none. Workloads (issue 12):
 (a) 64 prompts x 1024 tokens, 128 new; (b) 1000 prompts, lengths uniform 64-1024, max_tokens
-uniform 32-512, seeded; (c) batch-1 decode latency at 1024 and 4096 tokens of context. Greedy,
-``ignore_eos``. Each workload runs twice in one process: the first run compiles, the second is
-reported. Reports generated tok/s, time to first token, ms per decode step, preemptions, peak
-device memory, and a decode step against its roofline ((weight bytes + KV bytes of the context)
-/ 4.3 TB/s measured copy bandwidth).
+uniform 32-512, seeded; (c) batch-1 decode latency at 1024 and 4096 tokens of context; (d) 1000
+prompts x 1000 tokens, 1000 new (TensorRT-LLM's 1000/1000 perf point); (e) prefix reuse: 1000 prompts
+sharing one 1500-token system prompt, each with its own 50-200-token tail, 128 new; (f) RL rollouts:
+256 prompts x 512 tokens, 8 samples each at temperature 0.8 (per-prompt seeds), 256 new. Greedy
+unless stated, ``ignore_eos``. Each workload runs twice in one process: the first run compiles, the
+second is reported, with first/second wall time (target: at most 1.5x). With prefix caching (the
+default, as in vLLM) the second run also finds the first run's prompts in the cache: the hit tokens
+of both runs are printed. Reports generated tok/s (every completion of an ``n > 1`` request
+counted), time to first token, ms per decode step, preemptions, prefix-cache counters, peak device
+memory, and a decode step against its roofline ((weight bytes + KV bytes of the context) / 4.3 TB/s
+measured copy bandwidth). ``--peer-json`` adds the ratio to vLLM's run of the same workloads
+(bench/peer_vllm_workloads.py). Importing this module pulls in neither jax nor modelopt_jax (that
+script imports ``workload`` into a vLLM process).
 """
 
 from __future__ import annotations
@@ -22,11 +31,9 @@ import os
 import sys
 import time
 
-import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from modelopt_jax import LLM, SamplingParams  # noqa: E402
 
 COPY_BANDWIDTH = 4.3e12
 PREFILL_CHUNK = 256  # the static peer's prompt positions per prefill call
@@ -49,25 +56,56 @@ def write_preset(checkpoint: str, preset: str) -> None:
     print(f"wrote {checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
-def workload(name: str, vocab: int):
+def sampling_params(**kw):
+    """modelopt_jax's SamplingParams, imported on first use (keeps this module free of jax at import)."""
+    from modelopt_jax import SamplingParams
+
+    return SamplingParams(**kw)
+
+
+def workload(name: str, vocab: int, scale: float = 1.0, params=sampling_params):
+    """(prompts as token-id lists, one sampling-params object per prompt) of workload ``name``, drawn
+    from ``default_rng(0)`` so every engine (bench/peer_vllm_workloads.py too) gets the same ids.
+    ``params(**kw)`` builds each prompt's params from our SamplingParams' field names (``dict``
+    returns the fields themselves). ``scale`` < 1 shrinks prompt counts, lengths and max_tokens
+    (not ``n``, not (c)'s single request) for a smoke test on a CPU; at 1 the draws are exactly the
+    full workloads'."""
     rng = np.random.default_rng(0)
+
+    def s(x):
+        return max(1, round(x * scale))
+
     if name == "a":
-        prompts = [rng.integers(10, vocab, 1024).tolist() for _ in range(64)]
-        return prompts, [SamplingParams(max_tokens=128, ignore_eos=True)] * 64
+        prompts = [rng.integers(10, vocab, s(1024)).tolist() for _ in range(s(64))]
+        return prompts, [params(max_tokens=s(128), ignore_eos=True)] * len(prompts)
     if name == "b":
-        prompts = [rng.integers(10, vocab, int(rng.integers(64, 1025))).tolist() for _ in range(1000)]
-        return prompts, [SamplingParams(max_tokens=int(rng.integers(32, 513)), ignore_eos=True) for _ in prompts]
+        prompts = [rng.integers(10, vocab, int(rng.integers(s(64), s(1024) + 1))).tolist() for _ in range(s(1000))]
+        return prompts, [params(max_tokens=int(rng.integers(s(32), s(512) + 1)), ignore_eos=True) for _ in prompts]
     if name == "b256":  # (b)'s steady state for --profile: 256 rows of ~700 tokens (its mean context)
-        prompts = [rng.integers(10, vocab, 700).tolist() for _ in range(256)]
-        return prompts, [SamplingParams(max_tokens=128, ignore_eos=True)] * 256
-    if name in ("c1024", "c4096"):  # (c)'s one request, for --trace-step / --profile
+        prompts = [rng.integers(10, vocab, s(700)).tolist() for _ in range(s(256))]
+        return prompts, [params(max_tokens=s(128), ignore_eos=True)] * len(prompts)
+    if name in ("c1024", "c4096"):  # (c)'s one request (also for --trace-step / --profile); one is cheap: no scale
         context = int(name[1:])
         return [np.random.default_rng(1).integers(10, vocab, context - 64).tolist()], \
-            [SamplingParams(max_tokens=64, ignore_eos=True)]
+            [params(max_tokens=64, ignore_eos=True)]
+    if name == "d":  # the same ids as peer_vllm.py's t1000_1000_1000
+        prompts = [rng.integers(10, vocab, s(1000)).tolist() for _ in range(s(1000))]
+        return prompts, [params(max_tokens=s(1000), ignore_eos=True)] * len(prompts)
+    if name == "e":  # one shared system prompt, then a distinct tail per prompt
+        system = rng.integers(10, vocab, s(1500)).tolist()
+        prompts = [system + rng.integers(10, vocab, int(rng.integers(s(50), s(200) + 1))).tolist()
+                   for _ in range(s(1000))]
+        return prompts, [params(max_tokens=s(128), ignore_eos=True)] * len(prompts)
+    if name == "f":  # RL rollouts: 8 sampled completions per prompt, each prompt its own seed
+        prompts = [rng.integers(10, vocab, s(512)).tolist() for _ in range(s(256))]
+        seeds = rng.integers(0, 1 << 31, len(prompts))
+        return prompts, [params(n=8, temperature=0.8, max_tokens=s(256), ignore_eos=True, seed=int(seed))
+                         for seed in seeds]
     raise ValueError(name)
 
 
 def weight_bytes(model) -> int:
+    import jax
     from flax import nnx
 
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))) - \
@@ -86,6 +124,7 @@ def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int =
     engine), prefill in chunks of ``PREFILL_CHUNK`` positions, then greedy decode steps over ``make_cached_forward``."""
     import gc
 
+    import jax
     import jax.numpy as jnp
 
     from modelopt_jax import load
@@ -144,7 +183,7 @@ def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, t
     prompts, _ = workload(workload_name, vocab)
     tables, walls = [], []
     for n in (2, new):
-        p = SamplingParams(max_tokens=n, ignore_eos=True)
+        p = sampling_params(max_tokens=n, ignore_eos=True)
         run(llm, prompts, p)  # compiled and warm
         holder = {}
         tables.append(kernel_times(lambda: holder.update(stats=run(llm, prompts, p)[1])))
@@ -181,7 +220,7 @@ def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) 
 
     layers = llm.model.config.num_hidden_layers
     prompts, _ = workload(workload_name, vocab)
-    p = SamplingParams(max_tokens=new, ignore_eos=True)
+    p = sampling_params(max_tokens=new, ignore_eos=True)
     run(llm, prompts, p)  # compiled and warm
     seq = kernel_sequence(lambda: run(llm, prompts, p))
     attention = [i for i, (_, _, name) in enumerate(seq) if "PagedDecode" in name]
@@ -208,12 +247,64 @@ def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) 
     return out
 
 
+def generated_tokens(outs) -> int:
+    """Tokens generated for ``outs``: every completion of an ``n > 1`` request (``o.outputs``), where an
+    output has them; else ``o.token_ids`` (which is only the first completion's)."""
+    return sum(sum(len(c.token_ids) for c in o.outputs) if getattr(o, "outputs", None) else len(o.token_ids)
+               for o in outs)
+
+
 def run(llm, prompts, params):
+    """One ``LLM.generate`` call; its outputs and ``last_stats``, with ``generated_tokens`` (and tok/s)
+    counted from the outputs, so the ``n`` completions of a request all count (the engine's own
+    count, where it differs, is kept as ``engine_generated_tokens``)."""
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return outs, dict(llm.last_stats)
+    st = dict(llm.last_stats)
+    n = generated_tokens(outs)
+    if n != st.get("generated_tokens"):
+        st["engine_generated_tokens"] = st.get("generated_tokens")
+        st["generated_tokens"] = n
+        st["generated_tokens_per_s"] = n / st["total_s"] if st.get("total_s") else float("nan")
+    return outs, st
 
 
-def run_engine_variant(llm, variant: str) -> dict:
+PREFIX_STATS = (("prefix_cache_hit_tokens", "prefix-cache hit tokens"),
+                ("prefill_tokens_computed", "prompt tokens computed"), ("mixed_steps", "mixed steps"))
+
+
+def prefix_summary(st: dict, first: dict | None = None) -> str:
+    """The engine's prefix-cache and mixed-step counters that ``st`` has (engines before prefix caching
+    have none: empty), with the first run's hit tokens beside the reported run's -- the second run
+    of the same prompts finds the first run's prompts cached, as vLLM's would."""
+    parts = [f"{label} {st[k]:,}" + (f" (first run {first[k]:,})" if k == "prefix_cache_hit_tokens" and first
+                                     and k in first else "") for k, label in PREFIX_STATS if k in st]
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def ratio_table(ours: dict, peer: dict) -> dict:
+    """Prints ours/vLLM for each workload in both reports' ``runs``: generated tok/s, or for (c) the
+    speed ratio (vLLM's ms per decode step / ours); above 1 means we are faster. Returns the ratios.
+    vLLM's prefix-caching setting is printed: with it on (and ours on, the default) the reported
+    second run of a workload reuses its first run's prompts in both engines."""
+    ratios = {}
+    ours_pc, peer_pc = ours.get("prefix_caching", True), peer.get("prefix_caching")
+    print(f"ours vs vLLM (prefix caching: ours {'on' if ours_pc else 'off'}, vLLM {'on' if peer_pc else 'off'}"
+          + ("; differs, so a second run reuses its prompts in one engine only" if ours_pc != peer_pc else "") + "):")
+    for name in ours.get("runs", {}):
+        mine, theirs = ours["runs"][name], peer.get("runs", {}).get(name)
+        if not theirs:
+            continue
+        if name.startswith("c"):  # latency: lower is better, so the speed ratio is vLLM's / ours
+            a, b, unit = mine["ms_per_decode_step"], theirs["ms_per_decode_step"], "ms/step"
+            ratios[name] = b / a
+        else:
+            a, b, unit = mine["generated_tokens_per_s"], theirs["generated_tokens_per_s"], "tok/s"
+            ratios[name] = a / b
+        print(f"  {'(' + name + ')':8} ours {a:10.2f}  vLLM {b:10.2f} {unit:8} ours/vLLM {ratios[name]:.2f}")
+    return ratios
+
+
+def run_engine_variant(llm, variant: str, scale: float = 1.0) -> dict:
     """(b) under another EngineConfig (``k=v,...``), same weights: the old engine's pool is freed
     first, then the workload runs twice (the second run is reported)."""
     import dataclasses
@@ -227,7 +318,7 @@ def run_engine_variant(llm, variant: str) -> dict:
     gc.collect()
     llm.engine = Engine(llm.model, max_model_len=llm.max_model_len, config=config,
                         pad_id=llm.model.config.pad_token_id or 0)
-    prompts, params = workload("b", llm.model.config.vocab_size)
+    prompts, params = workload("b", llm.model.config.vocab_size, scale)
     t = time.perf_counter()
     run(llm, prompts, params)
     first = time.perf_counter() - t
@@ -243,12 +334,21 @@ def run_engine_variant(llm, variant: str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint")
     ap.add_argument("--write-preset")
-    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--workloads", default="a,b,c", help="a, b, c, d, e, f (module docstring); b256, c1024, c4096")
     ap.add_argument("--json")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="shrink prompt counts, lengths and max_tokens by this factor ((c) excepted; a CPU smoke test: 0.02)")
+    ap.add_argument("--peer-json", help="vLLM's report of the same workloads (bench/peer_vllm_workloads.py): "
+                                        "print ours/vLLM per workload at the end")
+    ap.add_argument("--compare", metavar="OURS_JSON",
+                    help="run nothing: print the ratio table of this earlier report against --peer-json")
     ap.add_argument("--once", action="store_true", help="one run per workload (compilation included)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="LLM's kv_cache_dtype (fp8: FP8 pages)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="LLM(enable_prefix_caching=False): second runs do not reuse the first's prompts "
+                         "(compare with peer_vllm_workloads.py --no-prefix-caching)")
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
@@ -267,6 +367,16 @@ def main():
                     help="off: decode steps scatter each layer's keys/values before the decode kernel "
                          "(modelopt_jax.ops.attention.FUSED_PAGE_WRITE)")
     args = ap.parse_args()
+    if args.compare:
+        if not args.peer_json:
+            ap.error("--compare needs --peer-json")
+        ratio_table(json.load(open(args.compare)), json.load(open(args.peer_json)))
+        return
+    if not args.checkpoint:
+        ap.error("--checkpoint is required")
+    import jax
+
+    from modelopt_jax import LLM
     from modelopt_jax.ops import attention
 
     attention.DECODE_KERNEL = args.attention_kernel
@@ -281,8 +391,9 @@ def main():
         print(f"(a) static dense-cache loop (4096 slots per row): {static['generated_tokens_per_s']:.0f} generated "
               f"tok/s; prefill {static['prefill_s']:.2f} s, decode {static['ms_per_decode_step']:.2f} ms/step",
               flush=True)
-    # every default (max_model_len 4096, kv_cache_memory_fraction 0.9, ...) but the KV dtype asked for
-    llm = LLM(args.checkpoint, kv_cache_dtype=args.kv_cache_dtype)
+    # every default (max_model_len 4096, kv_cache_memory_fraction 0.9, prefix caching, ...) but those asked for
+    llm = LLM(args.checkpoint, kv_cache_dtype=args.kv_cache_dtype,
+              **({"enable_prefix_caching": False} if args.no_prefix_caching else {}))
     model = llm.model
     wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
@@ -290,42 +401,59 @@ def main():
           f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
     report = {"device": dev.device_kind, "attention_kernel": args.attention_kernel, "prefill_kernel": args.prefill_kernel,
               "fused_page_write": args.fused_page_write, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
-              "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static}
+              "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static, "scale": args.scale,
+              "prefix_caching": not args.no_prefix_caching}
     for name in args.workloads.split(","):
         if name == "c":
             for context in (1024, 4096):
-                prompt = np.random.default_rng(1).integers(10, model.config.vocab_size, context - 64).tolist()
-                p = SamplingParams(max_tokens=64, ignore_eos=True)
-                run(llm, prompt, p)
-                _, st = run(llm, prompt, p)
+                prompt, (p,) = workload(f"c{context}", model.config.vocab_size)
+                t = time.perf_counter()
+                run(llm, prompt[0], p)
+                first = time.perf_counter() - t
+                t = time.perf_counter()
+                _, st = run(llm, prompt[0], p)
+                second = time.perf_counter() - t
                 ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
                 roof = 1e3 * (wb + context * kvt) / COPY_BANDWIDTH
-                report["runs"][f"c{context}"] = {**st, "ms_per_decode_step": ms, "roofline_ms": roof}
-                print(f"(c) batch 1, {context} context: {ms:.2f} ms/step (roofline {roof:.2f} ms, {ms / roof:.2f}x)",
-                      flush=True)
+                report["runs"][f"c{context}"] = {**st, "ms_per_decode_step": ms, "roofline_ms": roof,
+                                                 "first_run_s": first, "second_run_s": second,
+                                                 "first_over_second": first / second}
+                print(f"(c) batch 1, {context} context: {ms:.2f} ms/step (roofline {roof:.2f} ms, {ms / roof:.2f}x); "
+                      f"first/second run {first / second:.2f}x", flush=True)
             continue
-        prompts, params = workload(name, model.config.vocab_size)
+        prompts, params = workload(name, model.config.vocab_size, args.scale)
         t = time.perf_counter()
-        _, st = run(llm, prompts, params)
+        _, first_st = run(llm, prompts, params)
         first = time.perf_counter() - t
+        st, second = first_st, None
         if not args.once:
+            t = time.perf_counter()
             _, st = run(llm, prompts, params)
+            second = time.perf_counter() - t
         ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
         # decode-only steps of (a) run at batch 64 over 1024..1152 tokens: roofline at the mean context
-        roof = 1e3 * (wb + len(prompts) * (1024 + 64) * kvt) / COPY_BANDWIDTH if name == "a" else None
-        report["runs"][name] = {**st, "first_run_s": first, "ms_per_decode_step": ms, "roofline_ms": roof,
-                                "programs": len(llm.engine.runner.shapes)}
-        compiled = "compilation included" if args.once else f"first run incl. compile {first:.1f} s"
+        roof = 1e3 * (wb + len(prompts) * (1024 + 64) * kvt) / COPY_BANDWIDTH if name == "a" and args.scale == 1 \
+            else None
+        report["runs"][name] = {**st, "first_run_s": first, "second_run_s": second,
+                                "first_over_second": first / second if second else None,
+                                "first_run_prefix_cache_hit_tokens": first_st.get("prefix_cache_hit_tokens"),
+                                "ms_per_decode_step": ms, "roofline_ms": roof, "programs": len(llm.engine.runner.shapes)}
+        if args.once:
+            compiled = "compilation included"
+        else:
+            compiled = f"first run incl. compile {first:.1f} s = {first / second:.2f}x the second" + \
+                (" (over the 1.5x target)" if first > 1.5 * second else "")
         print(f"({name}) {len(prompts)} prompts: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
               f"{st['generated_tokens_per_s']:.0f} generated tok/s ({compiled}); "
               f"first token {st['first_token_s']:.2f} s; {st['decode_steps']} decode steps at {ms:.2f} ms, "
               f"{st['prefill_steps']} prefill steps {st['prefill_s']:.2f} s; preemptions {st['preemptions']}, "
               f"max running {st['max_running']}; {len(llm.engine.runner.shapes)} step shapes compiled"
+              + prefix_summary(st, None if args.once else first_st)
               + (f"; decode step vs roofline {roof:.2f} ms: {ms / roof:.2f}x" if roof else "")
               + (f"; {st['generated_tokens_per_s'] / static['generated_tokens_per_s']:.2f}x the static dense loop"
                  if name == "a" and static else ""), flush=True)
     for variant in args.engine:
-        report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant)
+        report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant, args.scale)
     for name in (args.profile.split(",") if args.profile else []):
         report[f"profile_{name}"] = profile_workload(llm, model.config.vocab_size, name)
     for name in (args.trace_step.split(",") if args.trace_step else []):
@@ -334,6 +462,9 @@ def main():
     report["peak_bytes"] = stats.get("peak_bytes_in_use")
     print(f"peak device memory {(stats.get('peak_bytes_in_use') or 0) / 1e9:.1f} GB "
           f"(limit {(stats.get('bytes_limit') or 0) / 1e9:.1f} GB)")
+    if args.peer_json:
+        report["vs_peer"] = {"peer_json": args.peer_json,
+                             "ratios": ratio_table(report, json.load(open(args.peer_json)))}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=float)

@@ -46,7 +46,8 @@ def _load(args, path: str, progress):
     llm = LLM(path, quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
               tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
-              max_num_seqs=args.max_num_seqs, max_prefill_tokens=args.max_prefill_tokens,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache)
     progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
     return llm
@@ -163,7 +164,10 @@ def _model_options(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests decoded together at most (default: 512 where the KV pool holds 512 sequences "
                         "of 1024 tokens, else 256)")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prompt tokens per engine step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step at most: the running requests' next tokens plus prompt chunks")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (default: prompts share the cached pages of a common prefix)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                    help="GPU: share of device memory the weights and the KV pool may use")
     p.add_argument("--weight-cache", default="off", choices=["off", "auto", "require"],

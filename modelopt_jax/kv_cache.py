@@ -57,6 +57,16 @@ class KVCacheSpec:
 
     requested: str                                   # what was asked: "auto", "fp8", "bfloat16", ...
     layers: tuple[LayerKVSpec, ...]
+    num_kv_heads: int = 0                            # KV heads per layer, over all devices
+    head_dim: int = 0                                # per head
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one page of ``page_size`` tokens takes over all layers (keys and values, every KV
+        head of every device): what the engine divides its memory budget by."""
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError("this KVCacheSpec was made without its geometry (num_kv_heads, head_dim)")
+        return sum(2 * page_size * self.num_kv_heads * self.head_dim * jnp.dtype(s.dtype).itemsize
+                   for s in self.layers)
 
     @property
     def dtype(self) -> str:
@@ -72,7 +82,7 @@ class KVCacheSpec:
 
     @staticmethod
     def resolve(kv_cache_dtype: str, checkpoint_scales: tuple[tuple[float, float], ...] | None, compute_dtype,
-                num_layers: int) -> "KVCacheSpec":
+                num_layers: int, *, num_kv_heads: int = 0, head_dim: int = 0) -> "KVCacheSpec":
         """``"auto"``: FP8 when the checkpoint has an FP8 KV cache (its scales), else the compute dtype.
 
         ``"fp8"`` on a checkpoint without k/v scales uses scale 1.0 (as vLLM does) and warns, once,
@@ -89,7 +99,7 @@ class KVCacheSpec:
             layers = tuple(LayerKVSpec(FP8, float(k), float(v)) for k, v in checkpoint_scales)
         else:
             layers = (LayerKVSpec(jnp.dtype(COMPUTE_DTYPES[name]).name),) * num_layers
-        return KVCacheSpec(str(kv_cache_dtype), layers)
+        return KVCacheSpec(str(kv_cache_dtype), layers, int(num_kv_heads), int(head_dim))
 
 
 @dataclasses.dataclass

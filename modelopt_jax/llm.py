@@ -9,6 +9,7 @@ programs, and JAX's persistent compilation cache keeps them across processes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -60,9 +61,10 @@ class LLM:
     (see :func:`modelopt_jax.load`). The engine (:class:`modelopt_jax.engine.EngineConfig`): the KV
     page pool takes ``kv_cache_memory_fraction`` of the device (after the weights) or
     ``kv_cache_bytes``; at most ``max_num_seqs`` requests run at once (None: 512 where the pool
-    holds 512 sequences of 1024 tokens, as on an 80-141 GB GPU, else 256), a step prefills at most
-    ``max_prefill_tokens`` prompt tokens, and a short prompt step waits up to ``prefill_wait_steps``
-    decode steps for more admissions while many requests decode (0: never).
+    holds 512 sequences of 1024 tokens, as on an 80-141 GB GPU, else 256), a step carries every
+    running request's next token plus prompt chunks up to ``max_num_batched_tokens`` tokens in all,
+    and ``enable_prefix_caching`` lets prompts that start alike share the cached pages of their
+    common prefix (computed once, kept after their requests end, evicted least recently used).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
@@ -71,16 +73,17 @@ class LLM:
                  compilation_cache_dir: str | None = "auto", tensor_parallel_size: int = 1,
                  weight_cache: str = "off", weight_cache_dir: str | os.PathLike | None = None,
                  weight_cache_timeout: float | None = None, kv_cache_memory_fraction: float = 0.9,
-                 kv_cache_bytes: int | None = None, max_num_seqs: int | None = None, max_prefill_tokens: int = 2048,
-                 prefill_wait_steps: int = 8, **unknown: Any):
+                 kv_cache_bytes: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+                 enable_prefix_caching: bool = True, **unknown: Any):
         if unknown:
             raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
                             f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
                             f"weight_cache_timeout, kv_cache_memory_fraction, kv_cache_bytes, max_num_seqs, "
-                            f"max_prefill_tokens, prefill_wait_steps")
-        engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                                     prefill_wait_steps=prefill_wait_steps,
+                            f"max_num_batched_tokens, enable_prefix_caching")
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     enable_prefix_caching=enable_prefix_caching,
                                      kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes)
         if quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
@@ -295,17 +298,29 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise RequestError(f"sampling_params: stop strings {list(p.stop)} need a tokenizer and {self.path} "
                                    f"has none (use stop_token_ids, or LLM(..., tokenizer=...))")
-        return [self._request(i, text, ids, p, detokenize) for i, ((text, ids), p) in enumerate(zip(encoded, params))]
+        return [request for i, ((text, ids), p) in enumerate(zip(encoded, params))
+                for request in self._samples(i, text, ids, p, detokenize)]
 
-    def _request(self, index: int, text, ids: list[int], params: SamplingParams, detokenize: bool) -> Request:
+    def _samples(self, index: int, text, ids: list[int], params: SamplingParams, detokenize: bool) -> list[Request]:
+        """The engine requests of one prompt: one per sample (``best_of`` or ``n``). Sample 0 draws
+        from the request's own key (as n = 1 does), sample s from that key folded with s; only
+        sample 0 computes the prompt's log-probs, so the others can start from its cached pages."""
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         # PRNGKey takes 32 bits with x64 off: fold the high bits in so large seeds stay distinct
         key = jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        detokenizer = None
-        if self.tokenizer is not None and (detokenize or params.stop):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, stop=params.stop,
-                                                 include_stop_str_in_output=params.include_stop_str_in_output)
-        return Request(index, text, ids, params, frozenset(stop), min(params.max_tokens, self.max_model_len - len(ids)),
-                       np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key,
-                                  np.uint32), detokenizer=detokenizer)
+        stop = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        budget = min(params.max_tokens, self.max_model_len - len(ids))
+        samples = []
+        for s in range(params.best_of or params.n):
+            sample_key = key if s == 0 else jax.random.fold_in(key, s)
+            detokenizer = None
+            if self.tokenizer is not None and (detokenize or params.stop):
+                detokenizer = IncrementalDetokenizer(self.tokenizer, stop=params.stop,
+                                                     include_stop_str_in_output=params.include_stop_str_in_output)
+            sample_params = params if s == 0 or params.prompt_logprobs is None else \
+                dataclasses.replace(params, prompt_logprobs=None)
+            raw = jax.random.key_data(sample_key) if jnp.issubdtype(sample_key.dtype, jax.dtypes.prng_key) \
+                else sample_key
+            samples.append(Request(index, text, ids, sample_params, stop, budget, np.asarray(raw, np.uint32),
+                                   detokenizer=detokenizer, sample_index=s))
+        return samples

@@ -95,7 +95,9 @@ def load(path: str | os.PathLike | Checkpoint, *, dtype="bfloat16", backend: str
 def _build(ckpt, plan, per_device, dtype, kv_cache_dtype, mesh, source: str, stores, *, where: str):
     from modelopt_jax.models import LoadInfo
 
-    kv_cache = KVCacheSpec.resolve(kv_cache_dtype, plan.kv_scales, dtype, ckpt.model_config.num_hidden_layers)
+    config = ckpt.model_config
+    kv_cache = KVCacheSpec.resolve(kv_cache_dtype, plan.kv_scales, dtype, config.num_hidden_layers,
+                                   num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)
     info = LoadInfo(ckpt.directory, source, tuple(stores), plan)
     return pipeline.build_model(ckpt.model_config, plan, per_device, kv_cache=kv_cache, mesh=mesh, info=info,
                                 where=where)

@@ -31,6 +31,10 @@ class SamplingParams:
     token that completed it, as in vLLM), or after ``max_tokens``.
     ``logprobs=k`` returns, per generated token, its log-prob and the top-k alternatives;
     ``prompt_logprobs=k`` does the same for every prompt token after the first.
+    ``n`` samples are returned per prompt, each its own sequence with its own random stream (sample
+    0's is the request's, so n=1 and sample 0 of n>1 draw the same tokens for one seed); the prompt
+    is computed once and its pages shared. ``best_of`` (>= n) samples are drawn and the n of highest
+    cumulative log-prob returned.
     """
 
     max_tokens: int = 16
@@ -44,14 +48,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         """Every field checked here, so a bad value fails when the request is built, naming the field."""
+        _integer("n", self.n, low=1, high=MAX_SAMPLES)
+        if self.best_of is not None:
+            _integer("best_of", self.best_of, low=1, high=MAX_SAMPLES)
+            if self.best_of < self.n:
+                raise RequestError(f"SamplingParams: best_of={self.best_of} must be >= n={self.n}")
         _integer("max_tokens", self.max_tokens, low=1)
         _real("temperature", self.temperature)
         if not self.temperature >= 0:
             raise RequestError(f"SamplingParams: temperature must be >= 0, got {self.temperature!r}")
-        _integer("top_k", self.top_k)
+        _integer("top_k", self.top_k, low=-(1 << 31), high=(1 << 31) - 1)  # an int32 on the device
         _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise RequestError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p!r}")
@@ -75,6 +86,7 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 1024  # alternatives per position at most (the vocabulary bounds it further, at generate)
+MAX_SAMPLES = 1024  # n / best_of at most: each sample is a sequence of its own in the engine
 
 
 def _integer(name: str, value, *, low: int | None = None, high: int | None = None) -> None:

@@ -31,7 +31,8 @@ from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
 from modelopt_jax.layers import Embedding, RMSNorm
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
-from modelopt_jax.ops.attention import causal_attention, paged_write_attention
+from modelopt_jax.ops.attention import causal_attention, step_attention
+from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, dense_rows_step
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
 from modelopt_jax.quant.schemes import SCHEMES, LinearSpec
 
@@ -91,18 +92,16 @@ class Attention(nnx.Module):
         return self.o_proj(out), keys, values
 
 
-    def packed(self, x, positions, keys, values, step: "PackedStep"):
-        """One packed step over the page pool: x [1, T, hidden] of tokens from many sequences.
+    def step(self, x, keys, values, step: PagedStep):
+        """One engine step over the page pool: x [1, T, hidden] of tokens from many sequences.
 
-        Writes each token's k/v at ``step.slots`` and lets it attend over its own sequence's pages
-        (``step.block_tables[step.token_rows[t]]``) up to its position: prompt chunks and decode
-        tokens alike. Only the pages in the block tables are read.
+        Stores each token's k/v at ``step.slots`` and lets it attend over its own sequence's pages up
+        to its position (decode rows and prompt chunks alike, see :func:`step_attention`); only the
+        pages in the block tables are read.
         """
-        q, k, v = self.project_qkv(x, positions[None])
-        out, k_pool, v_pool = paged_write_attention(
-            q[0], keys.encode(k[0]), values.encode(v[0]), keys.data, values.data, step.slots, k_scale=keys.scale,
-            v_scale=values.scale, page_size=step.page_size, token_rows=step.token_rows, positions=positions,
-            block_tables=step.block_tables, dtype=self.dtype, row_tokens=step.row_tokens)
+        q, k, v = self.project_qkv(x, step.positions[None])
+        out, k_pool, v_pool = step_attention(q[0], keys.encode(k[0]), values.encode(v[0]), keys.data, values.data,
+                                             k_scale=keys.scale, v_scale=values.scale, step=step, dtype=self.dtype)
         return self.o_proj(out[None]), keys.with_data(k_pool), values.with_data(v_pool)
 
 
@@ -137,27 +136,10 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
-    def packed(self, x, positions, keys, values, step):
-        attn, keys, values = self.self_attn.packed(self.input_layernorm(x), positions, keys, values, step)
+    def step(self, x, keys, values, step: PagedStep):
+        attn, keys, values = self.self_attn.step(self.input_layernorm(x), keys, values, step)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedStep:
-    """Where a packed step's tokens go and what they read (all int32 device arrays).
-
-    ``slots`` [T]: each token's slot in the pool (its key/value is written there);
-    ``token_rows`` [T]: which row of ``block_tables`` [R, W] is the token's sequence;
-    ``row_tokens`` [R, Wq]: the inverse, each row's tokens' packed indices in order (T pads).
-    Padding tokens write to the scratch page 0 and belong to any row; their outputs are ignored.
-    """
-
-    slots: jax.Array
-    token_rows: jax.Array
-    block_tables: jax.Array
-    row_tokens: jax.Array
-    page_size: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -268,57 +250,58 @@ class CausalLM(nnx.Module):
                  for layer in self.layers]
         return PagedKVCache([k for k, _ in pairs], [v for _, v in pairs], page_size)
 
-    def forward_packed(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
-                       token_rows: jax.Array, block_tables: jax.Array, row_tokens: jax.Array,
-                       logit_index: jax.Array | None = None):
-        """Forward over a page pool for tokens of many sequences packed into one row (the engine's step).
+    def attention_config(self, page_size: int, **overrides) -> AttentionConfig:
+        """The attention paths this model's paged steps take on its devices (see :class:`AttentionConfig`;
+        ``overrides``, e.g. ``prefill="xla"``, for A/B runs)."""
+        device = self.mesh.devices.flat[0] if self.mesh is not None else jax.local_devices()[0]
+        kv = self.kv_cache
+        local_heads = self.config.num_attention_heads // self.tensor_parallel_size
+        local_kv = self.config.num_key_value_heads // self.tensor_parallel_size
+        return AttentionConfig.resolve(num_heads=local_heads, num_kv_heads=local_kv, head_dim=self.config.head_dim,
+                                       pool_dtype=kv.dtype, compute_dtype=self.dtype, page_size=page_size,
+                                       platform=device.platform, **overrides)
 
-        ``input_ids``, ``positions``, ``slots``, ``token_rows``: [T]; ``block_tables`` [R, W];
-        ``row_tokens`` [R, Wq] (row r's tokens' packed indices in order, T for padding). Token t
-        is sequence ``token_rows[t]``'s token at ``positions[t]``; its key/value go to ``slots[t]``
-        (``block_table[p // page] * page + p % page``) and it attends over its sequence's positions
-        0..positions[t]. Returns ``(logits, cache)``: logits [T, vocab], or [len(logit_index), vocab]
-        for the tokens ``logit_index`` names (each row's last). Pure and jit-compatible; donate ``cache``.
-        Within a step no token may read a slot another token of the step writes (no page shared by
-        two sequences): a decode step (``row_tokens`` one wide) on CUDA writes each token's key/value
-        inside the attention kernel that reads its pages, not in a scatter before it.
+    def forward_step(self, cache: PagedKVCache, step: PagedStep, *, all_logits: bool = False):
+        """The engine's forward: one :class:`PagedStep` over the page pool -> ``(logits, cache)``.
+
+        Logits are float32 [R, vocab] at each row's ``step.logit_index`` token, or [T, vocab] for every
+        token with ``all_logits`` (prompt log-probs). Pure and jit-compatible; donate ``cache``.
+        Within a step no token may read a slot another token of the step writes; pages shared by
+        several sequences (prefix caching) are full and only read.
         """
-        args = (jnp.asarray(input_ids), jnp.asarray(positions), cache, jnp.asarray(slots), jnp.asarray(token_rows),
-                jnp.asarray(block_tables), jnp.asarray(row_tokens))
-        if logit_index is not None:
-            args += (jnp.asarray(logit_index),)
+        method = CausalLM._forward_step_all if all_logits else CausalLM._forward_step
         if self.mesh is None:
-            return self._forward_packed(*args)
+            return method(self, cache, step)
         cache_specs = jax.tree.map(lambda _: parallel.PAGED_CACHE_SPEC, cache)
-        specs = (P(), P(), cache_specs, P(), P(), P(), P()) + ((P(),) if logit_index is not None else ())
-        return parallel.run_sharded(self, CausalLM._forward_packed, self.mesh, args, specs, (P(), cache_specs))
+        step_specs = jax.tree.map(lambda _: P(), step)
+        return parallel.run_sharded(self, method, self.mesh, (cache, step), (cache_specs, step_specs),
+                                    (P(), cache_specs))
 
-    def _forward_packed(self, input_ids, positions, cache: PagedKVCache, slots, token_rows, block_tables, row_tokens,
-                        logit_index=None):
-        step = PackedStep(slots, token_rows, block_tables, row_tokens, cache.page_size)
-        x = self.embed_tokens(input_ids[None])
+    def _forward_step_all(self, cache: PagedKVCache, step: PagedStep):
+        return self._forward_step(cache, step, all_logits=True)
+
+    def _forward_step(self, cache: PagedKVCache, step: PagedStep, all_logits: bool = False):
+        x = self.embed_tokens(step.input_ids[None])
         keys, values = list(cache.keys), list(cache.values)
         for i, layer in enumerate(self.layers):
-            x, keys[i], values[i] = layer.packed(x, positions, keys[i], values[i], step)
+            x, keys[i], values[i] = layer.step(x, keys[i], values[i], step)
         x = x[0]
-        if logit_index is not None:
-            x = x[logit_index]
+        if not all_logits:
+            x = x[step.logit_index]
         return self.logits(self.norm(x)), PagedKVCache(keys, values, cache.page_size)
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, slots: jax.Array,
                       block_tables: jax.Array, logit_positions: jax.Array | None = None):
-        """:meth:`forward_packed` for a [B, T] batch (row b is sequence b): ``(logits, cache)``.
+        """:meth:`forward_step` for a [B, T] batch (row b is sequence b): ``(logits, cache)``.
 
         ``input_ids``, ``positions``, ``slots`` [B, T], ``block_tables`` [B, W]. Logits [B, T, vocab],
         or [B, 1, vocab] at ``logit_positions`` [B] (indices into T).
         """
-        input_ids, positions, slots = jnp.asarray(input_ids), jnp.asarray(positions), jnp.asarray(slots)
+        input_ids = jnp.asarray(input_ids)
         b, t = input_ids.shape
-        rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-        row_tokens = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
-        index = None if logit_positions is None else jnp.arange(b) * t + jnp.asarray(logit_positions)
-        logits, cache = self.forward_packed(input_ids.reshape(-1), positions.reshape(-1), cache, slots.reshape(-1),
-                                            rows, block_tables, row_tokens, index)
+        step = dense_rows_step(input_ids, positions, slots, block_tables, self.attention_config(cache.page_size),
+                               logit_positions)
+        logits, cache = self.forward_step(cache, step, all_logits=logit_positions is None)
         return logits.reshape(b, -1, logits.shape[-1]), cache
 
 

@@ -103,17 +103,34 @@ def test_batched_equals_alone_and_tight_pool_equals_roomy(roomy):
         for ea, eb in zip(a.logprobs, b.logprobs):
             assert ea.keys() == eb.keys()
             np.testing.assert_allclose(list(ea.values()), list(eb.values()), atol=1e-4)
-    # a pool of 12 usable pages (192 tokens) with max_model_len 128: requests wait and get preempted
-    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_prefill_tokens=64)
+    # a pool of 12 usable pages (192 tokens) with max_model_len 128: requests wait; without a reserve
+    # for the running requests' growth they get preempted, with the default reserve they do not
+    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_num_batched_tokens=64)
     assert tight.engine.pool.num_pages == 13
-    squeezed = tight.generate(prompts, params, use_tqdm=False)
-    assert _tokens(squeezed) == _tokens(together)
-    stats = tight.last_stats
-    assert stats["preemptions"] > 0, stats  # the budget really was too small to run them all at once
-    assert stats["free_pages_after"] == tight.engine.pool.num_pages - 1  # every page back (scratch excepted)
-    for a, b in zip(squeezed, together):
-        assert a.finish_reason == b.finish_reason
-        np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, atol=1e-3)
+    for reserve in (0, 1024):
+        _replace_engine(tight, reserve_tokens=reserve)
+        squeezed = tight.generate(prompts, params, use_tqdm=False)
+        assert _tokens(squeezed) == _tokens(together)
+        stats = tight.last_stats
+        # the budget really was too small to run them all at once
+        assert (stats["preemptions"] > 0) == (reserve == 0), stats
+        assert stats["free_pages_after"] == tight.engine.pool.num_pages - 1  # every page back (scratch excepted)
+        tight.engine.pool.check()
+        for a, b in zip(squeezed, together):
+            assert a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.cumulative_logprob, b.cumulative_logprob, atol=1e-3)
+
+
+def _replace_engine(llm, **config):
+    """``llm`` with a new engine of the same pool size and ``config`` changes (fields LLM does not take)."""
+    import dataclasses
+
+    from modelopt_jax.engine import Engine
+
+    old = llm.engine
+    llm.engine = Engine(llm.model, max_model_len=old.max_model_len, pad_id=old.runner.pad_id,
+                        config=dataclasses.replace(old.config, kv_cache_bytes=old.pool.num_pages * _page_bytes(llm),
+                                                   **config))
 
 
 def test_requests_added_while_others_run_and_aborted_ones_free_their_pages(roomy):
@@ -158,7 +175,7 @@ def test_overlapped_steps_change_nothing(roomy):
     params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=1,
                              stop_token_ids=[] if i % 3 == 0 else [o.token_ids[3 * len(o.token_ids) // 4]])
               for i, (m, o) in enumerate(zip(budgets, plain))]
-    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_prefill_tokens=64)
+    tight = _llm(max_model_len=128, kv_cache_bytes=13 * _page_bytes(roomy), max_num_batched_tokens=64)
     runs = {}
     for overlap in (False, True):
         tight.engine.overlap = overlap
@@ -174,20 +191,22 @@ def test_overlapped_steps_change_nothing(roomy):
 
 
 def test_new_prompt_shape_compiles_while_running_requests_decode():
-    """A prompt step whose program is not compiled yet does not stall the running requests: its
-    program compiles on a helper thread while they decode (a server meets new prompt shapes long
-    after it starts; an 8B program took 6-8 s on the H200), then it runs from that compiled program.
-    Tokens equal those of the same requests with in-line compiles. Deterministic: the first
-    question about an uncompiled shape always answers "not yet"."""
+    """Prompt chunks whose step program is not compiled yet do not stall the running requests: the
+    program compiles on a helper thread while they decode alone (a server meets new step shapes long
+    after it starts; an 8B program took 6-8 s on the H200), then the chunks join them from that
+    compiled program. Tokens equal those of the same requests with in-line compiles. Deterministic:
+    the first question about an uncompiled shape always answers "not yet"."""
     rng = np.random.default_rng(11)
-    first, late = rng.integers(1, 256, 7).tolist(), rng.integers(1, 256, 90).tolist()
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    # A decodes long enough for B's program to compile beside it; its block table stays in one width
+    # bucket (9-15 pages: 16) throughout, so the program compiled for A + B is the one they run
+    first, late = rng.integers(1, 256, 140).tolist(), rng.integers(1, 256, 90).tolist()
     runs = {}
     for background in (True, False):
         llm = _llm()
         engine = llm.engine
         engine.compile_in_background = background
-        a, b = llm.requests(first, params)[0], llm.requests(late, params)[0]
+        a = llm.requests(first, SamplingParams(max_tokens=100, ignore_eos=True))[0]
+        b = llm.requests(late, SamplingParams(max_tokens=30, ignore_eos=True))[0]
         engine.add(a)
         while len(a.generated) < 3:
             engine.step()
@@ -197,18 +216,20 @@ def test_new_prompt_shape_compiles_while_running_requests_decode():
             before = len(a.generated)
             engine.step()
             decoded_while_b_waited += b.computed == 0 and len(a.generated) > before
-        runs[background] = (a.generated, b.generated, decoded_while_b_waited, len(engine.runner._compiled))
+            if engine.runner._compiling is not None:  # (a CPU decode step is faster than a compile:
+                engine.runner._compiling[1].result()  # let it finish while A still runs)
+        runs[background] = (a.generated, b.generated, decoded_while_b_waited, len(engine.runner._compiled),
+                            engine._stats["mixed_steps"])
         assert engine.pool.free == engine.pool.num_pages - 1
-    (a_bg, b_bg, waited_bg, compiled_bg), (a_in, b_in, waited_in, compiled_in) = runs[True], runs[False]
+    (a_bg, b_bg, waited_bg, compiled_bg, mixed_bg), (a_in, b_in, waited_in, compiled_in, _) = runs[True], runs[False]
     assert a_bg == a_in and b_bg == b_in and len(b_bg) == 30
     assert waited_bg >= 1 and compiled_bg >= 1  # A decoded while B's program compiled off-thread
-    assert waited_in == 0 and compiled_in == 0   # in line: B's prompt step ran at once
+    assert mixed_bg >= 1                        # ... and B's prompt then joined A's decodes
+    assert waited_in == 0 and compiled_in == 0   # in line: B's prompt ran at once
 
 
 def _page_bytes(llm):
-    from modelopt_jax.engine.engine import page_bytes
-
-    return page_bytes(llm.model, 16)
+    return llm.model.kv_cache.page_bytes(16)
 
 
 def test_seeded_sampling_does_not_depend_on_batching(roomy):
@@ -227,7 +248,7 @@ def test_prompt_logprobs_with_chunked_prefill(roomy):
     prompt = np.random.default_rng(3).integers(1, 256, 70).tolist()
     params = SamplingParams(max_tokens=3, prompt_logprobs=1, ignore_eos=True)
     whole = roomy.generate(prompt, params, use_tqdm=False)[0]
-    chunked = _llm(max_prefill_tokens=16).generate(prompt, params, use_tqdm=False)[0]
+    chunked = _llm(max_num_batched_tokens=16).generate(prompt, params, use_tqdm=False)[0]
     assert whole.token_ids == chunked.token_ids
     assert chunked.prompt_logprobs[0] is None and len(chunked.prompt_logprobs) == 70
     for a, b in zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
@@ -296,8 +317,7 @@ def test_more_than_256_running_requests():
     tokens are those it gets in a batch of the default size."""
     prompts, params = _many(300, 6)
     params = [SamplingParams(max_tokens=3, ignore_eos=True) for _ in prompts]
-    # (no waiting for fuller prompt steps: all 300 are admitted before the first ones finish)
-    wide = _llm(max_model_len=48, kv_cache_bytes=(300 * 3 + 1) * 32768, max_num_seqs=300, prefill_wait_steps=0)
+    wide = _llm(max_model_len=48, kv_cache_bytes=(300 * 3 + 1) * 32768, max_num_seqs=300)
     assert wide.engine.pool.num_pages >= 901
     got = wide.generate(prompts, params, use_tqdm=False)
     assert wide.last_stats["max_running"] == 300
@@ -322,87 +342,90 @@ def test_page_pool_bookkeeping():
         PagePool(1, 16)
 
 
-def test_waiting_prompt_step_never_costs_a_needless_preemption():
-    """A prompt step waits for its program while the running requests decode; if the decode rows
-    then get preempted for pages, the prompt step runs after all -- the part-way prompt is not
-    preempted too (nor does an empty running set crash the scheduler)."""
+def _request(i, n, max_tokens=8, tokens=None):
     from modelopt_jax.engine.request import Request
+
+    ids = list(range(1, n + 1)) if tokens is None else list(tokens)
+    return Request(index=i, prompt=None, prompt_ids=ids, params=SamplingParams(max_tokens=max_tokens),
+                   stop_ids=frozenset(), budget=max_tokens, row_key=np.zeros(2, np.uint32))
+
+
+def test_waiting_prompt_chunks_never_cost_a_needless_preemption():
+    """Prompt chunks wait for their program only while decodes can run instead; if the decode rows
+    get preempted for pages, the part-way prompt runs at once -- it is not preempted too (nor does an
+    empty running set crash the scheduler)."""
     from modelopt_jax.engine.scheduler import Scheduler
 
-    def request(i, n):
-        return Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=8),
-                       stop_ids=frozenset(), budget=8, row_key=np.zeros(2, np.uint32))
-
     pool = PagePool(3, 4)  # two usable pages of 4 tokens
-    scheduler = Scheduler(pool, max_num_seqs=8, max_prefill_tokens=2)
-    part_way, decoding = request(0, 6), request(1, 4)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=2)
+    part_way, decoding = _request(0, 6), _request(1, 4)
     assert pool.grow(part_way.pages, 2) and pool.grow(decoding.pages, 4) and pool.free == 0
     part_way.computed, decoding.computed, decoding.generated = 2, 4, [9]  # 4 prompt tokens left / 1 to feed
     scheduler.running = [part_way, decoding]
     asked = []
     batch = scheduler.schedule(ready=lambda rows: asked.append(rows) or False)
-    assert asked == [[(part_way, 2)]]                      # asked once, answered "still compiling"
-    assert batch == [(part_way, 2)]                        # ... but the decode row had to go: prompt step
+    assert batch == [(part_way, 2)]   # the decode row had to go: nothing else runs, so no question asked
+    assert asked == []
     assert scheduler.running == [part_way] and list(scheduler.waiting) == [decoding]
     assert scheduler.preemptions == 1 and decoding.pages == [] and part_way.pages
     assert scheduler.decodes_while_compiling == 0
 
 
-def test_short_prompt_steps_wait_for_company_while_many_requests_decode():
-    """A lone admission while many requests decode waits up to prefill_wait_steps decode steps for
-    others to join its prompt step; a full step (or a small decode batch) does not wait."""
-    from modelopt_jax.engine.request import Request
+def _decoding(scheduler, count, max_tokens=64):
+    """``count`` running requests that each feed one token next."""
+    rows = []
+    for i in range(count):
+        r = _request(100 + i, 4, max_tokens)
+        assert scheduler.pool.grow(r.pages, 5)
+        r.computed, r.generated = 4, [9]
+        scheduler.running.append(r)
+        rows.append(r)
+    return rows
+
+
+def test_mixed_steps_carry_every_decode_and_prompt_chunks_within_the_budget():
+    """A step holds every running decode (first) plus prompt chunks until the token budget, with the
+    decode rows counted as the step pads them (at least 8); a long prompt continues in later steps;
+    a compiling program makes the decodes run alone."""
     from modelopt_jax.engine.scheduler import Scheduler
 
-    def request(i, n):
-        return Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=64),
-                       stop_ids=frozenset(), budget=64, row_key=np.zeros(2, np.uint32))
+    scheduler = Scheduler(PagePool(64, 4), max_num_seqs=8, max_num_batched_tokens=24)
+    rows = _decoding(scheduler, 2)
+    long, short = _request(0, 30), _request(1, 5)
+    scheduler.add(long)
+    scheduler.add(short)
+    batch = scheduler.schedule()
+    assert batch == [(rows[0], 1), (rows[1], 1), (long, 16)]  # 24 - 8 (padded decode rows) = 16 prompt tokens
+    for r, n in batch:
+        r.computed += n
+    batch = scheduler.schedule(ready=lambda rows: False)  # still compiling: decodes alone, chunks wait
+    assert batch == [(rows[0], 1), (rows[1], 1)] and scheduler.decodes_while_compiling == 1
+    for r, n in batch:
+        r.computed += n
+        r.generated.append(9)
+    batch = scheduler.schedule()
+    assert batch == [(rows[0], 1), (rows[1], 1), (long, 14), (short, 2)]
+    assert sum(n for _, n in batch) <= 24 - 8 + 2
 
-    def decoding(scheduler, count):
-        for i in range(count):
-            r = request(100 + i, 4)
-            assert scheduler.pool.grow(r.pages, 5)
-            r.computed, r.generated = 4, [9]
-            scheduler.running.append(r)
 
-    def advance(batch):  # what the engine does after a step: fed tokens count as computed
-        for r, n in batch:
-            r.computed += n
-            if r.pending == 0:
-                r.generated.append(9)
+def test_admission_reserves_pages_for_the_running_requests_growth():
+    """With reserve_tokens a waiting request is admitted only while the running ones keep pages for
+    their next tokens (at most their max_tokens); without, it is admitted at once."""
+    from modelopt_jax.engine.scheduler import Scheduler
 
-    scheduler = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=3)
-    decoding(scheduler, 2)  # 2 decode rows: a quarter of max_num_seqs
-    first, second = request(0, 5), request(1, 6)
-    scheduler.add(first)
-    kinds = []
-    for step in range(5):
-        if step == 1:
-            scheduler.add(second)
+    for reserve, admitted in ((0, True), (16, False), (4, True)):
+        scheduler = Scheduler(PagePool(8, 4), max_num_seqs=8, max_num_batched_tokens=64, reserve_tokens=reserve)
+        _decoding(scheduler, 2, max_tokens=17)  # each holds 2 pages (5 tokens); finishing needs 6
+        new = _request(0, 8)  # 2 pages
+        scheduler.add(new)
         batch = scheduler.schedule()
-        kinds.append("prompt" if any(n > 1 for _, n in batch) else "decode")
-        advance(batch)
-        if kinds[-1] == "prompt":
-            assert batch == [(first, 5), (second, 6)]  # the two admissions share one step
-    assert kinds == ["decode", "decode", "decode", "prompt", "decode"]
-
-    # a step the admissions fill runs at once
-    full = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=3)
-    decoding(full, 2)
-    big = request(2, 20)
-    full.add(big)
-    assert full.schedule() == [(big, 16)]
-    # with fewer decode rows than a quarter of max_num_seqs, or no waiting allowed, nothing waits
-    for rows, wait in ((1, 3), (2, 0)):
-        idle = Scheduler(PagePool(64, 4), max_num_seqs=8, max_prefill_tokens=16, prefill_wait_steps=wait)
-        decoding(idle, rows)
-        lone = request(3, 5)
-        idle.add(lone)
-        assert idle.schedule() == [(lone, 5)]
+        assert ((new, 8) in batch) == admitted, reserve
+        scheduler.pool.check()
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(prefill_wait_steps=-1), "prefill_wait_steps=-1 must be a non-negative integer"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0 must be a positive integer"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' must be a bool"),
     (dict(kv_cache_memory_fraction=0), "kv_cache_memory_fraction=0 must be in"),
     (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction=1.5 must be in"),
     (dict(kv_cache_bytes=1000), "fewer than one sequence of max_model_len=256"),
@@ -427,7 +450,7 @@ def test_max_num_seqs_default_follows_the_pool():
     page = _page_bytes(small)
     big = _llm(kv_cache_bytes=(512 * 64 + 1) * page)
     assert big.engine.config.max_num_seqs == 512
-    assert big.engine.runner.max_rows == 512
+    assert big.engine.runner.max_rows == 2 * 512  # a step's decode rows and as many prompt rows
     assert _llm(kv_cache_bytes=(512 * 64 + 1) * page, max_num_seqs=100).engine.config.max_num_seqs == 100
 
 
@@ -437,15 +460,15 @@ def test_prompt_longer_than_max_model_len_is_refused_before_any_work(roomy):
     assert roomy.engine.pool.free == roomy.engine.pool.num_pages - 1
 
 
-def test_prompt_steps_take_the_fixed_table_width_only_where_the_prefill_kernel_runs():
-    """With the prefill kernel a prompt step's table width costs nothing, so it is fixed (one program
-    fewer per width); without it XLA gathers the whole width, so it stays bucketed to the longest row."""
-    from modelopt_jax.engine.request import Request
+def test_steps_take_the_fixed_table_width_only_where_kernels_run_every_section():
+    """Where a step's sections all run kernels that read only the pages in use, its table width is
+    the fixed full-sequence width (one program fewer per width); where XLA gathers the whole width
+    it stays bucketed to the longest row."""
     from modelopt_jax.engine.runner import step_shape
+    from modelopt_jax.ops.paged_step import AttentionConfig, StepShape
 
     def request(i, n, computed):
-        r = Request(index=i, prompt=None, prompt_ids=list(range(1, n + 1)), params=SamplingParams(max_tokens=8),
-                    stop_ids=frozenset(), budget=8, row_key=np.zeros(2, np.uint32))
+        r = _request(i, n)
         r.computed = computed
         return r
 
@@ -454,27 +477,43 @@ def test_prompt_steps_take_the_fixed_table_width_only_where_the_prefill_kernel_r
     decode = [(request(2, 30, 30), 1)]
     for r, n in prompt + decode:
         assert pool.grow(r.pages, r.computed + n)
-    assert step_shape(prompt, 256, 16) == (64, 2, 8, 64)  # 3 pages, bucketed to the minimum 8
-    assert step_shape(prompt, 256, 16, fixed_prompt_tables=True) == (64, 2, 256, 64)
-    assert step_shape(decode, 256, 16) == step_shape(decode, 256, 16, fixed_prompt_tables=True) == (16, 8, 256, 1)
-    assert step_shape(prompt, None, 16, fixed_prompt_tables=True) == (64, 2, 8, 64)  # nothing to fix it to
+    xla = AttentionConfig(16)
+    kernels = AttentionConfig(16, decode="fused_kernel", prefill="kernel")
+    decode_kernel_only = AttentionConfig(16, decode="fused_kernel", prefill="xla")
+    assert step_shape(prompt, xla, 256) == StepShape(0, 64, 2, 64, 8)  # 3 pages, bucketed to the minimum 8
+    assert step_shape(prompt, kernels, 256) == StepShape(0, 64, 2, 64, 256)
+    assert step_shape(decode, decode_kernel_only, 256) == StepShape(8, 0, 0, 1, 256)
+    assert step_shape(decode + prompt, decode_kernel_only, 256) == StepShape(8, 64, 2, 64, 8)
+    assert step_shape(decode + prompt, kernels, 256) == StepShape(8, 64, 2, 64, 256)
 
 
-def test_decode_kernel_variant_follows_the_compute_dtype(monkeypatch):
-    """The tensor-core decode kernel rounds queries to bf16 (f16 over f16 pages), so float32 compute
-    (and f16 compute over other pages) runs the float32 CUDA-core kernel instead."""
+def test_attention_config_is_resolved_once_and_checked():
+    """The kernels a step runs are its AttentionConfig (static step data), resolved from the geometry
+    and platform: "mma" falls back to the CUDA-core kernel where tensor cores do not serve the
+    compute dtype, the CPU runs XLA, a kernel forced where it cannot run is an error, and a bad
+    name is an error, not a silent fallback."""
     from modelopt_jax.ops import attention
+    from modelopt_jax.ops.paged_step import AttentionConfig
 
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "mma")
-    assert attention.decode_kernel_variant("bfloat16", "bfloat16") == "mma"
-    assert attention.decode_kernel_variant("float8_e4m3fn", "bfloat16") == "mma"
-    assert attention.decode_kernel_variant("float16", "float16") == "mma"
-    assert attention.decode_kernel_variant("float16", "bfloat16") == "mma"
-    assert attention.decode_kernel_variant("bfloat16", "float32") == "staged"
-    assert attention.decode_kernel_variant("float8_e4m3fn", "float32") == "staged"
-    assert attention.decode_kernel_variant("bfloat16", "float16") == "staged"
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "staged")
-    assert attention.decode_kernel_variant("bfloat16", "bfloat16") == "staged"
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "register")  # removed: a clear error, not a silent fallback
-    with pytest.raises(ValueError, match="DECODE_KERNEL"):
-        attention.decode_kernel_variant("bfloat16", "bfloat16")
+    assert attention.decode_kernel_variant("mma", "bfloat16", "bfloat16") == "mma"
+    assert attention.decode_kernel_variant("mma", "float8_e4m3fn", "bfloat16") == "mma"
+    assert attention.decode_kernel_variant("mma", "float16", "float16") == "mma"
+    assert attention.decode_kernel_variant("mma", "bfloat16", "float32") == "staged"
+    assert attention.decode_kernel_variant("mma", "bfloat16", "float16") == "staged"
+    assert attention.decode_kernel_variant("staged", "bfloat16", "bfloat16") == "staged"
+    with pytest.raises(ValueError, match="register"):
+        attention.decode_kernel_variant("register", "bfloat16", "bfloat16")
+    geometry = dict(num_heads=32, num_kv_heads=8, head_dim=128, pool_dtype="bfloat16", compute_dtype="bfloat16",
+                    page_size=16)
+    cpu = AttentionConfig.resolve(**geometry, platform="cpu")
+    assert (cpu.decode, cpu.prefill, cpu.decode_variant) == ("xla", "xla", "mma")
+    assert AttentionConfig.resolve(**{**geometry, "compute_dtype": "float32"}, platform="cpu").decode_variant == \
+        "staged"
+    with pytest.raises(ValueError, match="decode='kernel'"):
+        AttentionConfig.resolve(**geometry, platform="cpu", decode="kernel")
+    with pytest.raises(ValueError, match="prefill='kernel'"):
+        AttentionConfig.resolve(**geometry, platform="cpu", prefill="kernel")
+    with pytest.raises(ValueError, match="decode='fast'"):
+        AttentionConfig(16, decode="fast")
+    with pytest.raises(ValueError, match="decode_splits=0"):
+        AttentionConfig(16, decode_splits=0)

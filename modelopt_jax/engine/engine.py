@@ -20,11 +20,11 @@ import jax
 import numpy as np
 
 from modelopt_jax.engine.pages import PagePool
-from modelopt_jax.engine.request import Request, RequestOutput, logprob_entry
+from modelopt_jax.engine.request import Request, RequestOutput, group_outputs, logprob_entry
 from modelopt_jax.engine.runner import Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
-from modelopt_jax.ops.attention import kernel_supports, prefill_kernel_supports
+from modelopt_jax.ops.paged_step import AttentionConfig
 
 
 MAX_PROMPT_DEFER_S = 30.0  # longest a prompt step waits for its off-thread compile before compiling in line
@@ -43,26 +43,30 @@ class EngineConfig:
     """How the engine uses memory and batches work (vLLM's names where they exist)."""
 
     page_size: int = 16                       # tokens per KV page
-    max_num_seqs: int | None = None           # running requests at most (rows of a decode step); None:
+    max_num_seqs: int | None = None           # running requests at most (decode rows of a step); None:
                                               # by the pool's size (see default_max_num_seqs)
-    max_prefill_tokens: int = 2048            # prompt tokens per step at most (chunked prefill)
-    prefill_wait_steps: int = 8               # decode steps a short prompt step may wait for company
+    max_num_batched_tokens: int = 8192        # tokens per step at most: its decodes plus prompt chunks
+    enable_prefix_caching: bool = True        # reuse cached full pages of equal prompt prefixes
+    reserve_tokens: int = 1024                # admissions leave pages for the running requests' next
+                                              # reserve_tokens tokens (at most their max_tokens); 0: none
     kv_cache_memory_fraction: float = 0.9     # GPU: share of device memory the weights + pool may use
     kv_cache_bytes: int | None = None         # or an explicit pool size in bytes (any platform)
 
     def __post_init__(self):
         if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
             raise ConfigError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} must be in (0, 1]")
-        for name in ("page_size", "max_num_seqs", "max_prefill_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if name == "max_num_seqs" and value is None:  # the engine picks it for its pool
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer" +
                                   (" or None" if name == "max_num_seqs" else ""))
-        value = self.prefill_wait_steps
+        value = self.reserve_tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"prefill_wait_steps={value!r} must be a non-negative integer")
+            raise ConfigError(f"reserve_tokens={value!r} must be a non-negative integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):
             raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes!r} must be a positive integer or None")
 
@@ -70,16 +74,6 @@ class EngineConfig:
 def _first_device(model):
     """The device the model's arrays (and so the pool) live on: the mesh's first, or the default one."""
     return model.mesh.devices.flat[0] if model.mesh is not None else jax.local_devices()[0]
-
-
-def page_bytes(model, page_size: int) -> int:
-    """Bytes one page takes over all layers (keys and values, every KV head of every device)."""
-    total = 0
-    for layer in model.layers:
-        attn = layer.self_attn
-        total += 2 * page_size * attn.num_kv_heads * model.tensor_parallel_size * attn.head_dim * \
-            np.dtype(attn.kv.dtype).itemsize
-    return total
 
 
 def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
@@ -101,7 +95,7 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
         reserve = max(1 << 30, limit // 20)
         per_device = int(config.kv_cache_memory_fraction * limit) - used - reserve
         return max(0, per_device) * model.tensor_parallel_size
-    want = page_bytes(model, config.page_size) * (-(-max_model_len // config.page_size)) * \
+    want = model.kv_cache.page_bytes(config.page_size) * (-(-max_model_len // config.page_size)) * \
         min(config.max_num_seqs or CPU_DEFAULT_SEQS, CPU_DEFAULT_SEQS)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
@@ -114,23 +108,17 @@ def default_max_num_seqs(pool_pages: int, page_size: int) -> int:
     return LARGE_POOL_SEQS if large else SMALL_POOL_SEQS
 
 
-def reads_only_used_pages(model, prompt: bool = False) -> bool:
-    """Whether the model's decode steps (``prompt``: prompt steps) run a CUDA attention kernel,
-    which reads only the pages in use, so their block tables can be the full width at no cost."""
-    device = _first_device(model)
-    attn = model.layers[0].self_attn
-    supports = prefill_kernel_supports if prompt else kernel_supports
-    return device.platform == "gpu" and supports(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                                 attn.kv.dtype, attn.dtype)
-
-
 class Engine:
     """Continuous batching over a paged KV cache for one model."""
 
-    def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0):
+    def __init__(self, model, *, max_model_len: int, config: EngineConfig = EngineConfig(), pad_id: int = 0,
+                 attention: AttentionConfig | None = None):
+        """``attention``: the attention paths (default: the fastest the model's devices run, see
+        ``model.attention_config``); A/B runs pass another."""
         self.max_model_len = int(max_model_len)
+        page_bytes = model.kv_cache.page_bytes(config.page_size)
         budget = pool_bytes(model, config, self.max_model_len)
-        budget_pages = budget // page_bytes(model, config.page_size)
+        budget_pages = budget // page_bytes
         pages_per_seq = -(-self.max_model_len // config.page_size)
         if config.max_num_seqs is None:  # resolved once; self.config says what runs
             config = dataclasses.replace(config, max_num_seqs=default_max_num_seqs(budget_pages, config.page_size))
@@ -143,25 +131,31 @@ class Engine:
             raise ConfigError(
                 f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds {max(num_pages - 1, 0)} pages of "
                 f"{config.page_size} tokens, fewer than one sequence of max_model_len={self.max_model_len} "
-                f"needs ({need - 1} pages, {(need - 1) * page_bytes(model, config.page_size) / 2**20:.1f} MiB); "
+                f"needs ({need - 1} pages, {(need - 1) * page_bytes / 2**20:.1f} MiB); "
                 f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
-        self.pool = PagePool(num_pages, config.page_size)
-        self.runner = Runner(model, num_pages, config.page_size, pad_id,
-                             fixed_table_width=pages_per_seq if reads_only_used_pages(model) else None,
-                             max_rows=config.max_num_seqs,
-                             fixed_prompt_tables=reads_only_used_pages(model, prompt=True))
+        if attention is None:
+            attention = model.attention_config(config.page_size)
+        if attention.page_size != config.page_size:
+            raise ConfigError(f"attention.page_size={attention.page_size} differs from the engine's page_size="
+                              f"{config.page_size}")
+        self.attention = attention
+        self.pool = PagePool(num_pages, config.page_size, prefix_caching=config.enable_prefix_caching)
+        self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
+                             max_rows=config.max_num_seqs)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
-        # True (the server): a prompt step whose program is not compiled yet waits, compiling
-        # off-thread, while the running requests decode (Runner.ready; at most MAX_PROMPT_DEFER_S,
-        # then in line). Off for Engine.run (LLM.generate): which steps wait would then depend on
-        # compile times, and so would batch compositions and, through bf16/FP8 near-ties, tokens;
-        # a script run twice must give the same text.
+        # True (the server): a step whose program is not compiled yet runs its decodes alone while
+        # it compiles off-thread (Runner.ready; at most MAX_PROMPT_DEFER_S, then in line). Off for
+        # Engine.run (LLM.generate): which steps wait would then depend on compile times, and so
+        # would batch compositions and, through bf16/FP8 near-ties, tokens; a script run twice
+        # must give the same text.
         self.compile_in_background = False
         self._deferred_since: float | None = None
         self._inflight = None
+        # A page's keys/values depend on its tokens and on what the cache stores them as.
+        salt = repr((model.kv_cache.layers, config.page_size)).encode()
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
-                                    max_prefill_tokens=config.max_prefill_tokens,
-                                    prefill_wait_steps=config.prefill_wait_steps)
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    reserve_tokens=config.reserve_tokens, key_salt=salt)
         self._reset_stats()
         self.last_stats: dict[str, float] = {}
 
@@ -211,12 +205,13 @@ class Engine:
         stats = self._stats
         stats["steps"] += 1
         stats["prefill_steps"] += current.is_prompt
+        stats["mixed_steps"] += current.is_mixed
         stats["prefill_s" if current.is_prompt else "decode_s"] += time.perf_counter() - t0
         return advanced
 
     def _prompt_step_ready(self, batch: list[tuple[Request, int]]) -> bool:
-        """The scheduler's question before a prompt step: may it run now (True), or should the
-        running requests decode while its program compiles (False)?"""
+        """The scheduler's question before a step with prompt chunks: may it run now (True), or should
+        the running requests decode alone while its program compiles (False)?"""
         if self.runner.ready(batch):
             return True
         now = time.perf_counter()
@@ -234,20 +229,25 @@ class Engine:
         launched = self.runner.launch(batch)
         if launched.is_prompt:
             self._deferred_since = None  # a prompt step runs: any wait for a compile is over
-        for row, (r, n, _, samples) in enumerate(launched.rows):
+        scheduler = self._scheduler
+        for r, n, start, samples, row in launched.rows:
             r.computed += n
+            if start < len(r.prompt_ids):
+                self._stats["prefill_tokens_computed"] += min(n, len(r.prompt_ids) - start)
+            if n > 1 or start < len(r.prompt_ids):
+                scheduler.register_pages(r)  # its new full pages serve later steps (the device runs in order)
             if samples:
                 r.inflight += 1
                 r.inflight_row = row
                 if r.sampled_all:
-                    self._scheduler.finish(r)
+                    scheduler.finish(r)
         return launched
 
     def _collect(self, launched) -> list[Request]:
         result = self.runner.collect(launched)
         sampled, sampled_logprob = result.tokens.tolist(), result.chosen.tolist()  # Python ints and floats, once
         advanced = []
-        for row, (r, n, start, samples) in enumerate(launched.rows):
+        for r, n, start, samples, row in launched.rows:
             if r.finish_reason is not None:  # stopped in the step before, or aborted: nothing more to record
                 continue
             if result.prompt is not None and r.params.prompt_logprobs is not None:
@@ -298,15 +298,20 @@ class Engine:
                            "preemptions": self._scheduler.preemptions - self._preemptions_before,
                            "decodes_while_compiling": (self._scheduler.decodes_while_compiling
                                                        - self._decodes_while_compiling_before),
-                           "num_pages": self.pool.num_pages, "free_pages_after": self.pool.free}
-        return [r.output(tokenizer) for r in sorted(requests, key=lambda r: r.index)]
+                           "prefix_cache_hit_tokens": self._scheduler.prefix_hit_tokens - self._hits_before,
+                           "prefix_cache_evictions": self.pool.evictions - self._evictions_before,
+                           "programs": len(self.runner.shapes), "num_pages": self.pool.num_pages,
+                           "free_pages_after": self.pool.free, "cached_pages_after": self.pool.cached}
+        return group_outputs(requests, tokenizer)
 
     def _reset_stats(self) -> None:
-        self._stats = {"steps": 0, "prefill_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                       "max_running": 0}
+        self._stats = {"steps": 0, "prefill_steps": 0, "mixed_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0,
+                       "decode_s": 0.0, "max_running": 0, "prefill_tokens_computed": 0}
         # the scheduler counts over the engine's life
         self._preemptions_before = self._scheduler.preemptions
         self._decodes_while_compiling_before = self._scheduler.decodes_while_compiling
+        self._hits_before = self._scheduler.prefix_hit_tokens
+        self._evictions_before = self.pool.evictions
 
 
 def _progress(total: int, enabled: bool):

@@ -10,19 +10,54 @@ from modelopt_jax.sampling import SamplingParams
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One sampled sequence of a prompt (vLLM's shape). ``logprobs[i]`` maps token id -> log-prob
+    for generated token i (the chosen token and the top-k)."""
+
+    index: int                      # which of the prompt's n samples (0..n-1)
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str              # "stop" (EOS / stop token / stop string), "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS / length)
+
+
+@dataclasses.dataclass
 class RequestOutput:
-    """What one prompt produced. ``logprobs[i]`` maps token id -> log-prob for generated token i
-    (the chosen token and the top-k); ``prompt_logprobs[0]`` is None (nothing predicts token 0)."""
+    """What one prompt produced: its ``outputs`` (``SamplingParams.n`` of them). ``text``,
+    ``token_ids``, ``finish_reason``, ``stop_reason``, ``cumulative_logprob`` and ``logprobs`` are
+    those of ``outputs[0]`` (scripts written for n = 1 keep working). ``prompt_logprobs[0]`` is
+    None (nothing predicts token 0)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (EOS / stop token / stop string) or "length"
-    cumulative_logprob: float
-    logprobs: list[dict[int, float]] | None = None
+    outputs: list[CompletionOutput]
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS / length)
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return self.outputs[0].cumulative_logprob
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
 
 
 def logprob_entry(token: int, chosen, top_values, top_ids, k: int | None) -> dict[int, float]:
@@ -67,6 +102,10 @@ class Request:
     inflight_row: int = -1
     stop_reason: int | str | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer, or None: the text is decoded once, at the end
+    sample_index: int = 0           # which of its prompt's samples (SamplingParams.n / best_of) this is
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache keys of its full, known pages
+    registered: int = 0             # leading pages already offered to the prefix cache
+    cached_tokens: int = 0          # prompt tokens whose keys/values came from the prefix cache (last admission)
 
     @property
     def length(self) -> int:
@@ -105,17 +144,48 @@ class Request:
         if self.finish_reason is not None and self.detokenizer is not None:
             self.detokenizer.finish()
 
-    def output(self, tokenizer) -> RequestOutput:
-        prompt_lp = None
-        if self.params.prompt_logprobs is not None:
-            prompt_lp = [None] + [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_ids))]
+    def known_tokens(self) -> list[int]:
+        """Prompt and generated tokens whose values the host has (not those in flight)."""
+        return self.prompt_ids + self.generated if self.generated else self.prompt_ids
+
+    def prompt_logprobs_list(self) -> list[dict[int, float] | None] | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None] + [self.prompt_logprobs.get(p) for p in range(1, len(self.prompt_ids))]
+
+    def completion(self, tokenizer, index: int | None = None) -> CompletionOutput:
         if self.detokenizer is not None:
             text = self.detokenizer.text
         else:
             text = None if tokenizer is None else tokenizer.decode(self.generated, skip_special_tokens=True)
-        return RequestOutput(
-            prompt=self.prompt, prompt_token_ids=self.prompt_ids, token_ids=list(self.generated), text=text,
-            finish_reason=self.finish_reason,
+        return CompletionOutput(
+            index=self.sample_index if index is None else index, text=text, token_ids=list(self.generated),
             cumulative_logprob=float(sum(e[t] for e, t in zip(self.logprobs, self.generated))),
-            logprobs=self.logprobs if self.params.logprobs is not None else None, prompt_logprobs=prompt_lp,
+            logprobs=self.logprobs if self.params.logprobs is not None else None, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason)
+
+    def output(self, tokenizer) -> RequestOutput:
+        """This request alone as an output (n = 1)."""
+        return RequestOutput(prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+                             outputs=[self.completion(tokenizer)], prompt_logprobs=self.prompt_logprobs_list())
+
+
+def group_outputs(requests: list[Request], tokenizer) -> list[RequestOutput]:
+    """One output per prompt from requests that may hold several samples of it (``sample_index``),
+    in prompt order. With ``best_of`` > n the n samples of highest cumulative log-prob are kept,
+    best first (vLLM's rule); otherwise samples keep their order."""
+    by_prompt: dict[int, list[Request]] = {}
+    for r in sorted(requests, key=lambda r: (r.index, r.sample_index)):
+        by_prompt.setdefault(r.index, []).append(r)
+    outputs = []
+    for samples in by_prompt.values():
+        first = samples[0]
+        completions = [r.completion(tokenizer) for r in samples]
+        n = first.params.n
+        if len(completions) > n:
+            completions = sorted(completions, key=lambda c: -c.cumulative_logprob)[:n]
+            for i, c in enumerate(completions):
+                c.index = i
+        outputs.append(RequestOutput(prompt=first.prompt, prompt_token_ids=first.prompt_ids, outputs=completions,
+                                     prompt_logprobs=first.prompt_logprobs_list()))
+    return outputs

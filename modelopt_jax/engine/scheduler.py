@@ -1,28 +1,23 @@
 """Continuous batching: which requests run in the next step, and with how many tokens each.
 
-Policy (vLLM's, simplified): a step either prefills or decodes. (Separate steps let each use its
-best attention: on CUDA the decode kernel streams each token's pages once, the prefill kernel lets
-a chunk's many queries share every key tile -- and elsewhere XLA lays prompt chunks out per row. On
-the H200 a 2048-token prompt step took 121 ms through the per-token decode kernel, see
-bench/RESULTS.md.)
-- Prefill first: requests part-way through their prompt continue, then waiting requests are
-  admitted in arrival order while the step's token budget (``max_prefill_tokens``) lasts, the
-  running set stays under ``max_num_seqs`` and pages are free (keeping one page of headroom per
-  running sequence, so admissions do not immediately force preemptions). A long prompt is split
-  into chunks across steps, so one step's work stays bounded.
-- A prompt step that would be short (under ``max_prefill_tokens``) while many requests decode (at
-  least a quarter of ``max_num_seqs``) waits up to ``prefill_wait_steps`` decode steps for more
-  admissions to join it. A busy engine frees one slot at a time as requests finish, and each lone
-  admission was a prompt step of its own: on the H200 (1000 prompts, 8B) 581 prompt steps of ~940
-  tokens ran at 33k tok/s where (a)'s full 2048-token steps ran at 48k (bench/RESULTS.md). Counted
-  in steps, not seconds, so LLM.generate's schedule (and so its tokens) stays deterministic.
-- Otherwise every running request decodes one token. A request that needs a new page when none
-  is free preempts the most recently admitted request: its pages are freed at once and it goes back
-  to the front of the queue, to be recomputed (prompt + what it had generated) when pages free up.
-- A finished request's pages are freed the moment it finishes.
-- (The server) a prompt step whose program is still compiling waits while the running requests
-  decode: ``schedule(ready=...)`` plans the prompt step without changing anything, and commits it
-  only once its program is ready or nothing else can run.
+Policy (vLLM's token budget): a step holds every running request that decodes (one token each)
+plus prompt chunks up to ``max_num_batched_tokens`` tokens in all, so arriving prompts never stall
+the running streams and a step's work stays bounded.
+- Decodes first, in admission order. A request that needs a new page when none is free preempts the
+  most recently admitted request: its pages are released (full pages stay in the prefix cache, so
+  resuming is mostly a cache hit) and it goes back to the front of the queue, to be recomputed.
+- Then prompt chunks: requests part-way through their prompt continue, then waiting requests are
+  admitted in arrival order while the budget lasts, the running set stays under ``max_num_seqs`` and
+  pages are free beyond a *reserve*: the pages the running requests will need for their next
+  ``reserve_tokens`` tokens (at most what their ``max_tokens`` leaves), so admissions rarely force a
+  preemption later. A long prompt is split into chunks across steps.
+- Prefix caching: an admitted request starts from the longest run of cached full pages that its
+  prompt begins with (never its last token: that one is computed, to sample from), holding them
+  read-only. A waiting request whose next page is being computed by a request already prefilling
+  (in this step or a later chunk) waits for it, so requests that share a prefix compute it once.
+- A finished request's pages are released the moment it finishes.
+- (The server) a step whose program is still compiling runs its decodes alone, its prompt chunks
+  waiting: ``schedule(ready=...)`` asks before committing them.
 
 The engine schedules step N+1 while the device still runs step N (``speculative=True``): the
 policy is the same, but such a step never preempts -- a preempted request may have a token in
@@ -33,21 +28,23 @@ from __future__ import annotations
 
 from collections import deque
 
-from modelopt_jax.engine.pages import PagePool
+from modelopt_jax.engine.pages import PagePool, page_keys
 from modelopt_jax.engine.request import Request
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_prefill_tokens: int, prefill_wait_steps: int = 0):
+    def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int, reserve_tokens: int = 0,
+                 key_salt: bytes = b""):
         self.pool = pool
         self.max_num_seqs = int(max_num_seqs)
-        self.max_prefill_tokens = int(max_prefill_tokens)
-        self.prefill_wait_steps = int(prefill_wait_steps)
-        self._prefill_waited = 0  # decode steps run while a short prompt step waited for company
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.reserve_tokens = int(reserve_tokens)
+        self.key_salt = key_salt  # roots every page key: what else, beside the tokens, decides a page's KV
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.preemptions = 0
-        self.decodes_while_compiling = 0  # decode steps run while a prompt step's program compiled
+        self.decodes_while_compiling = 0  # steps whose prompt chunks waited for their program to compile
+        self.prefix_hit_tokens = 0        # prompt tokens taken from the prefix cache at admission
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,97 +53,77 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
-    def finish(self, request: Request) -> None:
-        """Takes ``request`` out of the running set and frees its pages (a no-op the second time)."""
+    def finish(self, request: Request, keep_prefix: bool = True) -> None:
+        """Takes ``request`` out of the running set and releases its pages (a no-op the second time);
+        its full pages of known tokens stay in the prefix cache (a next chat turn starts with them)."""
         if request in self.running:
             self.running.remove(request)
+        if keep_prefix:
+            self.register_pages(request)
         self.pool.release(request.pages)
 
     def abort(self, request: Request) -> None:
-        """Removes ``request`` from the queue or the running set and frees its pages."""
+        """Removes ``request`` from the queue or the running set and releases its pages (an aborted
+        step may not have stored its keys/values: nothing more of it is offered to the cache)."""
         if request in self.waiting:
             self.waiting.remove(request)
-        self.finish(request)
+        self.finish(request, keep_prefix=False)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        self.register_pages(victim)
         self.pool.release(victim.pages)
         victim.computed = 0
         self.preemptions += 1
         self.waiting.appendleft(victim)
 
-    def schedule(self, speculative: bool = False, ready=None) -> list[tuple[Request, int]] | None:
-        """The next step's rows: (request, tokens to feed). Never empty while requests remain, unless
-        ``speculative``: then None when the step would need a preemption, or has nothing to run.
+    def register_pages(self, request: Request) -> None:
+        """Offers ``request``'s newly full pages to the prefix cache: those whose tokens are computed
+        (their keys/values stored, or stored by a step already launched) and known on the host."""
+        if not self.pool.prefix_caching:
+            return
+        page = self.pool.page_size
+        known = len(request.prompt_ids) + len(request.generated)
+        full = min(request.computed, known, len(request.pages) * page) // page
+        if full <= request.registered:
+            return
+        keys = request.page_keys
+        if len(keys) < full:
+            page_keys(request.known_tokens(), page, keys, self.key_salt)
+        for i in range(request.registered, full):
+            self.pool.register(request.pages[i], keys[i])
+        request.registered = full
 
-        ``ready(rows) -> bool`` (optional) says whether a prompt step's program is compiled. When it
-        is not and running requests can decode, they decode instead and the prompt step waits (its
-        requests stay queued or part-way), so a compile does not stall every running stream.
+    def schedule(self, speculative: bool = False, ready=None) -> list[tuple[Request, int]] | None:
+        """The next step's rows: (request, tokens to feed), decode rows first. Never empty while
+        requests remain, unless ``speculative``: then None when the step would need a preemption, or
+        has nothing to run.
+
+        ``ready(rows) -> bool`` (optional) says whether the step's program is compiled. When it is not
+        and there are decodes, the decodes run alone and the prompt chunks wait (their requests stay
+        queued or part-way), so a compile does not stall every running stream.
         """
-        may_wait = True
         while True:
-            plan = self._plan_prefill()
-            short = bool(plan) and may_wait and self._worth_waiting(plan)
-            compiling = bool(plan) and not short and may_wait and ready is not None and self._can_decode() and \
-                not ready([(r, n) for r, n, _ in plan])
-            if plan and not (short or compiling):
-                batch = self._commit_prefill(plan)
-                self._prefill_waited = 0
-            else:
-                batch = self._decode(speculative)
-                self.decodes_while_compiling += bool(compiling and batch)
-                self._prefill_waited += bool(short and batch)
+            decodes = self._decode(speculative)
+            if decodes is None:
+                return None
+            # the decode rows as the step will pad them (powers of two, at least 8): a busy step's
+            # prompt chunks then fill the budget exactly, and such steps share one program
+            padded = max(8, 1 << (len(decodes) - 1).bit_length()) if decodes else 0
+            plan = self._plan_prompts(self.max_num_batched_tokens - padded)
+            if plan and decodes and ready is not None and not ready(decodes + [(r, n) for r, n, _ in plan]):
+                self.decodes_while_compiling += 1
+                plan = []
+            batch = decodes + self._commit_prompts(plan)
             if batch or speculative:
                 return batch or None
-            if short or compiling:  # the decode rows were all preempted: run the prompt step after all
-                may_wait = False
-                continue
-            # Every running request is part-way through a prompt and none can get a page: free the
+            if not self.running:
+                raise RuntimeError("the scheduler can run nothing: a waiting request fits no empty pool")
+            # Every running request is part-way through a prompt and none can get a page: release the
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
 
-    def _can_decode(self) -> bool:
-        return any(r.pending == 1 for r in self.running)
-
-    def _worth_waiting(self, plan: list[tuple[Request, int, bool]]) -> bool:
-        """Whether a prompt step of ``plan`` is short enough, and the decode batch big enough, to let
-        it wait one more decode step for requests to join it (see the module docstring)."""
-        if self._prefill_waited >= self.prefill_wait_steps or sum(n for _, n, _ in plan) >= self.max_prefill_tokens:
-            return False
-        return sum(r.pending == 1 for r in self.running) >= max(1, self.max_num_seqs // 4)
-
-    def _plan_prefill(self) -> list[tuple[Request, int, bool]]:
-        """The prompt step the policy would run now: (request, tokens, newly admitted), changing nothing."""
-        plan, budget, free, admitted = [], self.max_prefill_tokens, self.pool.free, 0
-        page = self.pool.page_size
-        for r in [r for r in self.running if r.pending > 1]:
-            n = min(r.pending, budget, (len(r.pages) + free) * page - r.computed)
-            if n <= 0:
-                continue
-            free -= max(0, self.pool.pages_for(r.computed + n) - len(r.pages))
-            plan.append((r, n, False))
-            budget -= n
-        for r in self.waiting:
-            if budget <= 0 or len(self.running) + admitted >= self.max_num_seqs:
-                break
-            n = min(r.pending, budget)
-            if self.pool.pages_for(n) + len(self.running) + admitted > free:
-                break
-            free -= self.pool.pages_for(n)
-            admitted += 1
-            plan.append((r, n, True))
-            budget -= n
-        return plan
-
-    def _commit_prefill(self, plan: list[tuple[Request, int, bool]]) -> list[tuple[Request, int]]:
-        for r, n, admitted in plan:
-            if admitted:
-                self.waiting.popleft()
-                self.running.append(r)
-            self.pool.grow(r.pages, r.computed + n)
-        return [(r, n) for r, n, _ in plan]
-
-    def _decode(self, speculative: bool = False) -> list[tuple[Request, int]] | None:
+    def _decode(self, speculative: bool) -> list[tuple[Request, int]] | None:
         # Runs once or twice per step over every running request: membership is tracked in a set
         # (a list scan per row cost ~1 ms a step at 256 rows, bench/host_loop.py).
         batch, preempted = [], set()
@@ -166,4 +143,106 @@ class Scheduler:
                 if r in preempted:
                     continue
             batch.append((r, 1))
+        return [row for row in batch if row[0] not in preempted]
+
+    def _reserve(self) -> int:
+        """Pages held back from admissions for the running requests' next ``reserve_tokens`` tokens."""
+        if not self.reserve_tokens:
+            return 0
+        page, total = self.pool.page_size, 0
+        for r in self.running:
+            end = len(r.prompt_ids) + min(r.budget, len(r.generated) + r.inflight + self.reserve_tokens)
+            total += max(0, -(-end // page) - len(r.pages))
+        return total
+
+    def _plan_prompts(self, budget: int) -> list[tuple[Request, int, list[int]]]:
+        """The prompt chunks that fit ``budget`` tokens now: (request, tokens, cached pages it starts
+        from -- newly admitted requests only), changing nothing."""
+        plan, free, admitted = [], self.pool.free, 0
+        page = self.pool.page_size
+        prefilling = []  # requests whose prompt pages are still to be computed, with the first such page
+        for r in self.running:
+            if r.pending > 1 and r.computed < len(r.prompt_ids):
+                prefilling.append(r)
+            if r.pending <= 1 or budget <= 0:
+                continue
+            n = min(r.pending, budget, (len(r.pages) + free) * page - r.computed)
+            if n <= 0:
+                continue
+            free -= max(0, self.pool.pages_for(r.computed + n) - len(r.pages))
+            plan.append((r, n, []))
+            budget -= n
+        reserve = self._reserve() if self.waiting and budget > 0 else 0
+        for r in self.waiting:
+            if budget <= 0 or len(self.running) + admitted >= self.max_num_seqs:
+                break
+            shared = self._cached_prefix(r)
+            start = len(shared) * page
+            if self._prefix_being_computed(r, len(shared), prefilling):
+                break  # it waits for those pages rather than computing them a second time
+            n = min(r.pending - start, budget)
+            need = self.pool.pages_for(start + n) - len(shared)
+            # cached pages nobody holds count as free: taking them makes them unavailable
+            idle_shared = sum(self.pool.refcount(p) == 0 for p in shared)
+            if need + idle_shared + reserve > free:
+                break
+            free -= need + idle_shared
+            reserve += self._reserve_of(r)
+            admitted += 1
+            plan.append((r, n, shared))
+            prefilling.append(r)
+            budget -= n
+        return plan
+
+    def _reserve_of(self, r: Request) -> int:
+        if not self.reserve_tokens:
+            return 0
+        end = len(r.prompt_ids) + min(r.budget, len(r.generated) + self.reserve_tokens)
+        return max(0, self.pool.pages_for(end) - self.pool.pages_for(len(r.prompt_ids) + len(r.generated)))
+
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """The cached pages ``r``'s known tokens start with, short of its last token (computed to sample
+        from); none for a request that wants prompt log-probs (they come from computing the prompt)."""
+        if not self.pool.prefix_caching or r.params.prompt_logprobs is not None:
+            return []
+        tokens = r.known_tokens()
+        usable = (len(tokens) - 1) // self.pool.page_size
+        if len(r.page_keys) < usable:
+            page_keys(tokens, self.pool.page_size, r.page_keys, self.key_salt)
+        return self.pool.lookup(r.page_keys[:usable])
+
+    def _prefix_being_computed(self, r: Request, hit_pages: int, prefilling: list[Request]) -> bool:
+        """Whether page ``hit_pages`` of ``r`` (its first one not cached) is a page another request is
+        computing now: the same key at the same index, not yet registered."""
+        keys = r.page_keys
+        if not self.pool.prefix_caching or hit_pages >= len(keys) or r.params.prompt_logprobs is not None:
+            return False
+        page = self.pool.page_size
+        for other in prefilling:
+            if other is r or len(other.prompt_ids) < (hit_pages + 1) * page:
+                continue
+            if len(other.page_keys) <= hit_pages:
+                page_keys(other.prompt_ids, page, other.page_keys, self.key_salt)
+            if len(other.page_keys) > hit_pages and other.page_keys[hit_pages] == keys[hit_pages] and \
+                    other.registered <= hit_pages:
+                return True
+        return False
+
+    def _commit_prompts(self, plan: list[tuple[Request, int, list[int]]]) -> list[tuple[Request, int]]:
+        batch = []
+        for r, n, shared in plan:
+            if r.pending > 1 and r in self.running:
+                self.pool.grow(r.pages, r.computed + n)
+                batch.append((r, n))
+                continue
+            if self.waiting.popleft() is not r:  # admissions take the queue's head, in order
+                raise RuntimeError("the scheduler admitted a request out of arrival order")
+            self.running.append(r)
+            self.pool.share(r.pages, shared)
+            r.computed = len(shared) * self.pool.page_size
+            r.registered = len(shared)
+            r.cached_tokens = r.computed
+            self.prefix_hit_tokens += r.computed
+            self.pool.grow(r.pages, r.computed + n)
+            batch.append((r, n))
         return batch

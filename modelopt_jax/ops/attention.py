@@ -1,10 +1,12 @@
 """Attention over a dense cache and over a paged KV pool.
 
 :func:`causal_attention` is the dense reference (the cache-less forward and the dense cache use it).
-:func:`paged_attention` is what the engine's packed steps call: every token is a query over its
-own sequence's pages up to its position, whatever mix of prompt chunks and decode tokens the step
-holds. On CUDA, with the native library built, it is one kernel (``ffi/cuda/paged_attention.cu``)
-that reads only the pages in use; elsewhere it is XLA over gathered pages with the same masking.
+:func:`step_attention` is what the engine's steps call (one :class:`PagedStep`: decode rows and
+prompt rows, the kernels named by its :class:`AttentionConfig`); :func:`paged_attention` and
+:func:`paged_write_attention` are the same paths for loose arrays (tests, benchmarks). On CUDA, with
+the native library built, decode rows run the decode kernel (``ffi/cuda/paged_attention.cu``) and
+prompt rows the prefill kernel, both reading only the pages in use; elsewhere XLA over gathered
+pages with the same masking.
 Both read an FP8 page's value as code * scale; XLA rounds that to the compute dtype before its
 einsums, the kernel computes in float32 (a difference within the compute dtype's rounding).
 """
@@ -17,21 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from modelopt_jax.ops.paged_step import (AttentionConfig, PagedStep, kernel_supports, prefill_kernel_supports,
+                                         tensor_cores_serve)
 from modelopt_jax.ops.quantize import decode_stored
 
-KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_MAX_GROUP = 8
-KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
-KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# Which CUDA decode kernel runs: "mma" (tensor cores; it serves bf16 compute, and f16 over f16
-# pages -- anything else runs "staged") or "staged" (cp.async-staged CUDA-core kernel). Read when a
-# call is traced; bench/attention.py times both.
-DECODE_KERNEL = "mma"
+__all__ = ["AttentionConfig", "PagedStep", "causal_attention", "kernel_splits", "kernel_supports", "paged_attention",
+           "paged_write_attention", "prefill_kernel_supports", "step_attention", "tensor_cores_serve"]
+
 _DECODE_VARIANTS = {"staged": 1, "mma": 2}  # the FFI attribute "variant"
-PREFILL_KERNEL = True  # False: prompt chunks take XLA's path even where the prefill kernel serves them (A/B runs)
-DECODE_SPLITS: int | None = None  # CTAs per (token, kv head) of the decode kernel; None: kernel_splits (sweeps)
-# Decode steps' keys/values written by the decode kernel itself (False: a scatter per pool first; A/B runs).
-FUSED_PAGE_WRITE = True
 _FLOOR = np.float32(np.finfo(np.float32).min)
 
 
@@ -52,7 +47,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_scale: float | None,
                     v_scale: float | None, page_size: int, token_rows: jax.Array, positions: jax.Array,
                     block_tables: jax.Array, dtype, row_tokens: jax.Array | None = None, backend: str = "auto",
-                    out_init: jax.Array | None = None) -> jax.Array:
+                    out_init: jax.Array | None = None, decode_variant: str = "mma",
+                    decode_splits: int | None = None) -> jax.Array:
     """Each token's attention over its sequence's cached keys/values up to its own position.
 
     ``q`` [T, H, D] (RoPE applied); pools [slots, KV, D] already holding this step's keys/values;
@@ -72,6 +68,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     "xla", "kernel" (the decode kernel, any tokens) and "prefill_kernel" (needs ``row_tokens``)
     force one. ``out_init`` (kernels only, tests): a float32 [T, H, D] operand aliased to the
     kernel's output, e.g. NaN-filled so that an element the kernel does not write shows.
+    ``decode_variant`` / ``decode_splits``: the decode kernel's (see :class:`AttentionConfig`; "mma"
+    runs "staged" where the tensor cores do not serve the dtypes).
     """
     decode_like = _decode_like(q, block_tables)
     prompt_like = row_tokens is not None and row_tokens.shape[1] > 1
@@ -91,7 +89,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
         return xla(*operands)
     if backend in ("kernel", "auto_decode"):
         kernel = functools.partial(_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
-                                   dtype=dtype, out_init=out_init)
+                                   dtype=dtype, out_init=out_init, variant=decode_variant, splits=decode_splits)
     elif backend in ("prefill_kernel", "auto_prefill"):
         kernel = functools.partial(_prefill_kernel_paged_attention, k_scale=k_scale, v_scale=v_scale,
                                    page_size=page_size, dtype=dtype, row_tokens=row_tokens, out_init=out_init)
@@ -105,7 +103,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
 def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                           slots: jax.Array, *, k_scale: float | None, v_scale: float | None, page_size: int,
                           token_rows: jax.Array, positions: jax.Array, block_tables: jax.Array, dtype,
-                          row_tokens: jax.Array | None = None, backend: str = "auto"):
+                          row_tokens: jax.Array | None = None, backend: str = "auto", decode_variant: str = "mma",
+                          decode_splits: int | None = None):
     """This step's keys/values stored at ``slots``, then :func:`paged_attention`: ``(out, k_pool, v_pool)``.
 
     ``k_new``/``v_new`` [T, KV, D] are already in the pool's dtype (``KVBuffer.encode``: FP8 codes
@@ -113,14 +112,14 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
     one token per sequence) on CUDA write them inside the decode kernel -- the CTA that reads a
     token's last page stores its row first -- so a step runs no scatter per pool and layer (two
     launches of ~2.8 us each per layer at 64 rows on the H200). That needs what the engine's steps
-    guarantee: no token of the step reads a slot another token writes (no page is shared by two
-    sequences). Everything else (prompt steps, other platforms, :data:`FUSED_PAGE_WRITE` off,
+    guarantee: no token of the step reads a slot another token writes (pages shared between
+    sequences are full, read-only prefix pages). Everything else (prompt steps, other platforms,
     ``backend`` other than "auto" or "fused_kernel") scatters first and calls :func:`paged_attention`.
     The scatter is in place on GPU when the pool is donated; XLA:CPU copies a scatter's whole
     operand (~20 ms per 268 MB layer pool), which is why the engine's default pool on CPU is small.
     """
     attend = functools.partial(paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size, dtype=dtype,
-                               row_tokens=row_tokens)
+                               row_tokens=row_tokens, decode_variant=decode_variant, decode_splits=decode_splits)
 
     def scatter_then_attend(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables):
         k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
@@ -130,14 +129,64 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
 
     operands = (q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables)
     fused = functools.partial(_kernel_write_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page_size,
-                              dtype=dtype)
+                              dtype=dtype, variant=decode_variant, splits=decode_splits)
     if backend == "fused_kernel":
         return fused(*operands)
     one_token_rows = row_tokens is not None and row_tokens.shape[1] == 1 and _decode_like(q, block_tables)
-    if (backend != "auto" or not FUSED_PAGE_WRITE or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype)
-            or not _write_kernel_built()):
+    if backend != "auto" or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype) or not _write_kernel_built():
         return scatter_then_attend(*operands)
     return jax.lax.platform_dependent(*operands, cuda=fused, default=scatter_then_attend)
+
+
+def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *,
+                   k_scale: float | None, v_scale: float | None, step: PagedStep, dtype):
+    """One engine step's attention: ``(out [T, H * D], k_pool, v_pool)``.
+
+    Stores the step's keys/values (``k_new``/``v_new`` [T, KV, D] in the pool's dtype) at
+    ``step.slots``, then runs each section of the step on the path ``step.attention`` names: decode
+    rows (token i of row i, each over its pages up to its position) and prompt rows (each row's chunk
+    causally over its cached prefix and itself). A decode-only step on "fused_kernel" stores inside
+    the decode kernel; any other step scatters first, so prompt rows and decode rows read every key
+    of the step. Kernels run under ``platform_dependent`` with XLA as the default, so a config
+    resolved for CUDA still lowers elsewhere.
+    """
+    config, d = step.attention, step.num_decode
+    t = q.shape[0]
+    page = config.page_size
+    decode_rows = jnp.arange(d, dtype=jnp.int32)
+    xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
+    kernel_args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
+    if d == t and config.decode == "fused_kernel":
+        fused = functools.partial(_kernel_write_paged_attention, **kernel_args, variant=config.decode_variant,
+                                  splits=config.decode_splits)
+
+        def scatter_then_xla(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, tables):
+            k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+            return xla_decode(q, k_pool, v_pool, token_rows, positions, tables), k_pool, v_pool
+
+        return jax.lax.platform_dependent(q, k_new, v_new, k_pool, v_pool, step.slots, decode_rows, step.positions,
+                                          step.block_tables[:d], cuda=fused, default=scatter_then_xla)
+    k_pool, v_pool = k_pool.at[step.slots].set(k_new), v_pool.at[step.slots].set(v_new)
+    parts = []
+    if d:
+        operands = (q[:d], k_pool, v_pool, decode_rows, step.positions[:d], step.block_tables[:d])
+        if config.decode == "xla":
+            parts.append(xla_decode(*operands))
+        else:
+            kernel = functools.partial(_kernel_paged_attention, **kernel_args, variant=config.decode_variant,
+                                       splits=config.decode_splits)
+            parts.append(jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_decode))
+    if d < t:
+        prompt_rows = step.prompt_tokens
+        operands = (q[d:], k_pool, v_pool, jnp.zeros(t - d, jnp.int32), step.positions[d:], step.block_tables[d:])
+        xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows)
+        if config.prefill == "xla":
+            parts.append(xla_prefill(*operands))
+        else:
+            kernel = functools.partial(_prefill_kernel_paged_attention, **kernel_args, row_tokens=prompt_rows)
+            parts.append(jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_prefill))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return out, k_pool, v_pool
 
 
 def _decode_like(q, block_tables) -> bool:
@@ -150,42 +199,6 @@ def _write_kernel_built() -> bool:
     from modelopt_jax.ops import native
 
     return native.has_paged_decode_write_kernel()
-
-
-def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
-    """Whether the CUDA decode kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
-    from modelopt_jax.ops import native
-
-    return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
-            and heads // kv_heads <= KERNEL_MAX_GROUP and jnp.dtype(pool_dtype).name in KERNEL_POOL_DTYPES
-            and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
-
-
-def tensor_cores_serve(pool_dtype, dtype) -> bool:
-    """Whether the tensor-core kernels (prefill, and the "mma" decode kernel) serve this compute
-    dtype: their MMAs take bf16 operands (f16 for f16 pages), so bf16 compute, and f16 compute over
-    f16 pages; float32 compute would be rounded to bf16 and keeps the float32 paths."""
-    pool, compute = jnp.dtype(pool_dtype).name, jnp.dtype(dtype).name
-    return compute == "bfloat16" or (compute == "float16" and pool == "float16")
-
-
-def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
-    """Whether the CUDA prefill kernel is built and serves this shape and compute dtype (see
-    :func:`tensor_cores_serve`; float32 compute keeps XLA's path, whose float32 einsums it would not match)."""
-    from modelopt_jax.ops import native
-
-    return (PREFILL_KERNEL and native.has_paged_prefill_kernel()
-            and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype) and tensor_cores_serve(pool_dtype, dtype))
-
-
-def decode_kernel_variant(pool_dtype, dtype) -> str:
-    """The decode kernel :data:`DECODE_KERNEL` asks for, "mma" falling back to "staged" where the
-    tensor cores do not serve the dtypes."""
-    if DECODE_KERNEL not in _DECODE_VARIANTS:
-        raise ValueError(f"DECODE_KERNEL={DECODE_KERNEL!r}: choose one of {', '.join(_DECODE_VARIANTS)}")
-    if DECODE_KERNEL == "mma" and not tensor_cores_serve(pool_dtype, dtype):
-        return "staged"
-    return DECODE_KERNEL
 
 
 def _kernel_qualifies(q, k_pool, dtype) -> bool:
@@ -212,7 +225,18 @@ def kernel_splits(tokens: int, kv_heads: int, table_width: int, sm_count: int = 
     return int(max(1, min(want, table_width, 32)))
 
 
-def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size, dtype):
+def decode_kernel_variant(variant: str, pool_dtype, dtype) -> str:
+    """The decode kernel that runs for ``variant``: "mma" falls back to "staged" where the tensor
+    cores do not serve the dtypes (float32 compute)."""
+    if variant not in _DECODE_VARIANTS:
+        raise ValueError(f"decode variant {variant!r}: choose one of {', '.join(_DECODE_VARIANTS)}")
+    if variant == "mma" and not tensor_cores_serve(pool_dtype, dtype):
+        return "staged"
+    return variant
+
+
+def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size, dtype,
+                 variant: str = "mma", splits: int | None = None):
     """The decode kernel's common operands, result types (output, split partials) and attributes."""
     from modelopt_jax.ops import native
 
@@ -223,9 +247,10 @@ def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_sc
     # The kernel indexes block tables per token: expand [R, W] to the tokens' rows (int32; the same
     # gather in every layer, which XLA computes once).
     tables = block_tables[token_rows]
-    splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count(), jnp.dtype(k_pool.dtype).itemsize)
-    if DECODE_SPLITS is not None:
-        splits = int(max(1, min(DECODE_SPLITS, block_tables.shape[1])))
+    if splits is None:
+        splits = kernel_splits(t, kv, block_tables.shape[1], _sm_count(), jnp.dtype(k_pool.dtype).itemsize)
+    else:
+        splits = int(max(1, min(splits, block_tables.shape[1])))
     out_types = (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
                  jax.ShapeDtypeStruct((t, kv, splits, g, d), jnp.float32),
                  jax.ShapeDtypeStruct((t, kv, splits, g, 2), jnp.float32))
@@ -233,16 +258,17 @@ def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_sc
     attrs = dict(k_scale=np.float32(1.0 if k_scale is None else k_scale),
                  v_scale=np.float32(1.0 if v_scale is None else v_scale),
                  softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size),
-                 variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(k_pool.dtype, dtype)]))
+                 variant=np.int32(_DECODE_VARIANTS[decode_kernel_variant(variant, k_pool.dtype, dtype)]))
     return operands, out_types, attrs
 
 
 def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                            dtype, out_init=None):
+                            dtype, out_init=None, variant="mma", splits=None):
     from modelopt_jax.ops import native
 
     operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
-                                              v_scale=v_scale, page_size=page_size, dtype=dtype)
+                                              v_scale=v_scale, page_size=page_size, dtype=dtype, variant=variant,
+                                              splits=splits)
     target, aliases = native.PAGED_DECODE_TARGET, {}
     if out_init is not None:
         target, aliases = native.PAGED_DECODE_POISONED_TARGET, {len(operands): 0}
@@ -254,7 +280,7 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
 
 
 def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables, *,
-                                  k_scale, v_scale, page_size, dtype):
+                                  k_scale, v_scale, page_size, dtype, variant="mma", splits=None):
     """The decode kernel writing this step's rows into the pools (results 3, 4: the pools, in place)."""
     from modelopt_jax.ops import native
 
@@ -262,7 +288,8 @@ def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_
         raise ValueError(f"new keys/values ({k_new.dtype}, {v_new.dtype}) must be in the pool's dtype "
                          f"({k_pool.dtype}): pass KVBuffer.encode(...)")
     operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
-                                              v_scale=v_scale, page_size=page_size, dtype=dtype)
+                                              v_scale=v_scale, page_size=page_size, dtype=dtype, variant=variant,
+                                              splits=splits)
     operands += [k_new, v_new, slots.astype(jnp.int32)]
     out_types += (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
     call = jax.ffi.ffi_call(native.PAGED_DECODE_WRITE_TARGET, out_types, vmap_method="broadcast_all",

@@ -1,0 +1,212 @@
+"""The contract between the engine's runner, the model and the paged attention op.
+
+A step is one :class:`PagedStep` (a registered pytree): the runner builds it on the host, the model
+passes it whole through every layer, and :func:`modelopt_jax.ops.attention.step_attention` reads it.
+Which attention kernels run is an :class:`AttentionConfig`, resolved once from the KV geometry and
+the platform and carried by the step as static data, so a traced program's kernel choice is a
+property of its arguments, not of module state read at trace time.
+
+Layout of a step's T packed tokens: the first ``num_decode`` tokens are rows that feed one token
+each (decodes, padding included): token i is row i's. The remaining tokens are prompt chunks: row
+``num_decode + r``'s tokens sit at ``prompt_tokens[r]`` (indices into that prompt section). Both
+kinds share the step's forward; attention runs the decode kernel over the first section and the
+prefill kernel over the second (two launches of one step, or one when the step holds one kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_MAX_GROUP = 8
+KERNEL_POOL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+DECODE_BACKENDS = ("fused_kernel", "kernel", "xla")
+PREFILL_BACKENDS = ("kernel", "xla")
+DECODE_VARIANTS = ("mma", "staged")
+
+
+def tensor_cores_serve(pool_dtype, dtype) -> bool:
+    """Whether the tensor-core kernels (prefill, and the "mma" decode kernel) serve this compute
+    dtype: their MMAs take bf16 operands (f16 for f16 pages), so bf16 compute, and f16 compute over
+    f16 pages; float32 compute would be rounded to bf16 and keeps the float32 paths."""
+    pool, compute = jnp.dtype(pool_dtype).name, jnp.dtype(dtype).name
+    return compute == "bfloat16" or (compute == "float16" and pool == "float16")
+
+
+def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
+    """Whether the CUDA decode kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
+    from modelopt_jax.ops import native
+
+    return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
+            and heads // kv_heads <= KERNEL_MAX_GROUP and jnp.dtype(pool_dtype).name in KERNEL_POOL_DTYPES
+            and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
+
+
+def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
+    """Whether the CUDA prefill kernel is built and serves this shape and compute dtype (see
+    :func:`tensor_cores_serve`; float32 compute keeps XLA's path, whose float32 einsums it would not match)."""
+    from modelopt_jax.ops import native
+
+    return (native.has_paged_prefill_kernel() and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype)
+            and tensor_cores_serve(pool_dtype, dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention paths a model's paged steps take; hashable, static under ``jax.jit``."""
+
+    page_size: int                   # tokens per KV page
+    decode: str = "xla"              # decode rows: "fused_kernel" (the decode kernel also stores the
+                                     # step's keys/values), "kernel" (scatter, then the kernel), "xla"
+    prefill: str = "xla"             # prompt rows: "kernel" (the CUDA prefill kernel) or "xla"
+    decode_variant: str = "mma"      # "mma" (tensor cores) or "staged" (CUDA cores; float32 compute)
+    decode_splits: int | None = None  # CTAs per (token, kv head); None: kernel_splits decides per step
+
+    def __post_init__(self):
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"AttentionConfig.page_size={self.page_size!r} must be a positive integer")
+        for name, allowed in (("decode", DECODE_BACKENDS), ("prefill", PREFILL_BACKENDS),
+                              ("decode_variant", DECODE_VARIANTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        if self.decode_splits is not None and (not isinstance(self.decode_splits, int) or self.decode_splits < 1):
+            raise ValueError(f"AttentionConfig.decode_splits={self.decode_splits!r} must be a positive integer or None")
+
+    @property
+    def reads_only_used_pages(self) -> bool:
+        """Decode rows run a kernel that reads only the pages in use (block tables can be full width)."""
+        return self.decode != "xla"
+
+    @classmethod
+    def resolve(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, pool_dtype, compute_dtype,
+                page_size: int, platform: str, **overrides) -> "AttentionConfig":
+        """The fastest paths that serve this geometry on ``platform`` ("gpu" runs the CUDA kernels
+        where the native library has them; anything else runs XLA). ``overrides`` (A/B runs, tests)
+        replace a field after the choice; a kernel the platform or geometry cannot run is an error."""
+        gpu = platform == "gpu"
+        decode_ok = gpu and kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
+        prefill_ok = gpu and prefill_kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
+        from modelopt_jax.ops import native
+
+        fused = decode_ok and native.has_paged_decode_write_kernel()
+        config = cls(page_size=int(page_size),
+                     decode="fused_kernel" if fused else "kernel" if decode_ok else "xla",
+                     prefill="kernel" if prefill_ok else "xla",
+                     decode_variant="mma" if tensor_cores_serve(pool_dtype, compute_dtype) else "staged")
+        config = dataclasses.replace(config, **overrides)
+        if config.decode != "xla" and not decode_ok:
+            raise ValueError(f"decode={config.decode!r}: the CUDA decode kernel does not serve this model here "
+                             f"(platform {platform}, {num_heads}/{num_kv_heads} heads, head_dim {head_dim})")
+        if config.decode == "fused_kernel" and not fused:
+            raise ValueError("decode='fused_kernel': the native library has no page-writing decode kernel")
+        if config.prefill == "kernel" and not prefill_ok:
+            raise ValueError(f"prefill='kernel': the CUDA prefill kernel does not serve this model here "
+                             f"(platform {platform}, compute {jnp.dtype(compute_dtype).name})")
+        return config
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStep:
+    """One step of the engine over a page pool (int32 device arrays; see the module docstring).
+
+    Padding tokens write to the scratch page 0 and their outputs are ignored; padding rows' block
+    tables are page 0 and their logits are ignored.
+    """
+
+    input_ids: jax.Array          # [T] token fed at each packed position (padding: the pad id)
+    positions: jax.Array          # [T] its position in its sequence (padding: 0)
+    slots: jax.Array              # [T] pool slot (page * page_size + offset) its key/value is stored at
+    block_tables: jax.Array       # [R, W] each row's pages in order; rows 0..num_decode-1 are decode rows
+    prompt_tokens: jax.Array      # [R - num_decode, Wq] prompt row r's tokens' indices into the prompt
+                                  # section (tokens num_decode..T-1), in order; T - num_decode pads
+    logit_index: jax.Array        # [R] packed index of each row's last token (the one whose logits sample)
+    num_decode: int               # static: decode rows (= decode tokens, padding included) lead the step
+    attention: AttentionConfig    # static: which kernels run
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.attention.page_size
+
+    def check(self) -> None:
+        """Raises ValueError when the fields' shapes disagree (the shape rule of each field)."""
+        t, r, d = self.num_tokens, self.num_rows, self.num_decode
+        for name in ("input_ids", "positions", "slots"):
+            if getattr(self, name).shape != (t,):
+                raise ValueError(f"PagedStep.{name} has shape {getattr(self, name).shape}, expected ({t},) like input_ids")
+        if self.block_tables.ndim != 2:
+            raise ValueError(f"PagedStep.block_tables must be [rows, pages], got shape {self.block_tables.shape}")
+        if not 0 <= d <= min(t, r):
+            raise ValueError(f"PagedStep.num_decode={d} must be within [0, min(tokens {t}, rows {r})]")
+        if self.prompt_tokens.ndim != 2 or self.prompt_tokens.shape[0] != r - d:
+            raise ValueError(f"PagedStep.prompt_tokens has shape {self.prompt_tokens.shape}, expected "
+                             f"({r - d}, width): one line per prompt row")
+        if (r - d == 0) != (t - d == 0):
+            raise ValueError(f"PagedStep: {t - d} prompt tokens but {r - d} prompt rows")
+        if self.logit_index.shape != (r,):
+            raise ValueError(f"PagedStep.logit_index has shape {self.logit_index.shape}, expected ({r},)")
+        for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index"):
+            dtype = getattr(self, name).dtype
+            if dtype != np.int32:
+                raise ValueError(f"PagedStep.{name} must be int32, got {dtype}")
+
+
+jax.tree_util.register_dataclass(
+    PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index"],
+    meta_fields=["num_decode", "attention"])
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    """The padded shape of a step: what its compiled program is specialised to."""
+
+    decode_rows: int              # decode rows (= decode tokens), padding included
+    prompt_tokens: int            # tokens of the prompt section, padding included
+    prompt_rows: int              # prompt rows
+    prompt_width: int             # tokens per prompt row at most (Wq)
+    table_width: int              # block-table width in pages (W)
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + self.prompt_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.decode_rows + self.prompt_rows
+
+    def abstract(self, attention: AttentionConfig) -> PagedStep:
+        """The step's operands as shapes (for compiling ahead of a call)."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        t, r = self.tokens, self.rows
+        return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
+                         i32(r), self.decode_rows, attention)
+
+
+def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
+                    logit_positions=None) -> PagedStep:
+    """A [B, Tq] batch as a step of B prompt rows (row b is sequence b, its Tq tokens in order):
+    what ``forward_paged`` and callers with their own loops use. ``logit_positions`` [B]: the
+    index into Tq of each row's token whose logits are wanted (default: its last)."""
+    input_ids, positions, slots = (jnp.asarray(a, jnp.int32) for a in (input_ids, positions, slots))
+    b, tq = input_ids.shape
+    if tq == 1:  # one token per row: decode rows (the decode kernel, which stores them itself on CUDA)
+        return PagedStep(input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1),
+                         jnp.asarray(block_tables, jnp.int32), jnp.zeros((0, 1), jnp.int32),
+                         jnp.arange(b, dtype=jnp.int32), b, attention)
+    prompt_tokens = jnp.arange(b * tq, dtype=jnp.int32).reshape(b, tq)
+    last = jnp.full((b,), tq - 1, jnp.int32) if logit_positions is None else jnp.asarray(logit_positions, jnp.int32)
+    return PagedStep(input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1),
+                     jnp.asarray(block_tables, jnp.int32), prompt_tokens, jnp.arange(b, dtype=jnp.int32) * tq + last,
+                     0, attention)
