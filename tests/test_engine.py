@@ -391,17 +391,20 @@ def test_mixed_steps_carry_every_decode_and_prompt_chunks_within_the_budget():
 
     scheduler = Scheduler(PagePool(64, 4), max_num_seqs=8, max_num_batched_tokens=24)
     rows = _decoding(scheduler, 2)
-    long, short = _request(0, 30), _request(1, 5)
+    long, short = _request(0, 30), _request(1, 5, tokens=range(50, 55))  # no shared first page
     scheduler.add(long)
     scheduler.add(short)
     batch = scheduler.schedule()
     assert batch == [(rows[0], 1), (rows[1], 1), (long, 16)]  # 24 - 8 (padded decode rows) = 16 prompt tokens
     for r, n in batch:
         r.computed += n
+    for r in rows:
+        r.generated.append(9)
     batch = scheduler.schedule(ready=lambda rows: False)  # still compiling: decodes alone, chunks wait
     assert batch == [(rows[0], 1), (rows[1], 1)] and scheduler.decodes_while_compiling == 1
     for r, n in batch:
         r.computed += n
+    for r in rows:
         r.generated.append(9)
     batch = scheduler.schedule()
     assert batch == [(rows[0], 1), (rows[1], 1), (long, 14), (short, 2)]
@@ -413,10 +416,12 @@ def test_admission_reserves_pages_for_the_running_requests_growth():
     their next tokens (at most their max_tokens); without, it is admitted at once."""
     from modelopt_jax.engine.scheduler import Scheduler
 
-    for reserve, admitted in ((0, True), (16, False), (4, True)):
+    # 7 usable pages: the two running requests hold 2 each (room for 8 tokens, they have 5), the new
+    # one needs 2 of the 3 left; a reserve of 4 more tokens each (positions up to 9) needs 2 pages more
+    for reserve, admitted in ((0, True), (16, False), (3, True), (4, False)):
         scheduler = Scheduler(PagePool(8, 4), max_num_seqs=8, max_num_batched_tokens=64, reserve_tokens=reserve)
-        _decoding(scheduler, 2, max_tokens=17)  # each holds 2 pages (5 tokens); finishing needs 6
-        new = _request(0, 8)  # 2 pages
+        _decoding(scheduler, 2, max_tokens=17)
+        new = _request(0, 8, tokens=range(60, 68))
         scheduler.add(new)
         batch = scheduler.schedule()
         assert ((new, 8) in batch) == admitted, reserve

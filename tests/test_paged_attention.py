@@ -148,10 +148,9 @@ def test_splits_fill_the_gpu_and_stay_within_the_table():
 @pytest.mark.parametrize("variant", ["mma", "staged"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
-def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, variant, monkeypatch):
-    monkeypatch.setattr(attention, "DECODE_KERNEL", variant)  # read when the call is traced
+def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, variant):
     if variant == "mma" and not attention.tensor_cores_serve(pool_dtype, dtype):
-        assert attention.decode_kernel_variant(pool_dtype, dtype) == "staged"  # float32 compute falls back
+        assert attention.decode_kernel_variant(variant, pool_dtype, dtype) == "staged"  # float32 compute falls back
     cases = CASES + [(32, 8, 128, 16, [(1024, 1)] * 3 + [(4000, 1), (2, 1)] + MIXED)]  # Llama-3-8B heads
     heads, kv_heads, head_dim, page, rows = cases[shape]
     c = _case(10 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
@@ -159,7 +158,7 @@ def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype,
     args, static = _split(c)
     t = len(c["positions"])
     poison = jnp.full((t, heads, head_dim), jnp.nan, jnp.float32)
-    fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="kernel", out_init=o))
+    fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="kernel", out_init=o, decode_variant=variant))
     hlo = fn.lower(args, poison).compile().as_text()
     assert "modelopt_paged_decode_poisoned" in hlo
     got = np.asarray(fn(args, poison), np.float64)
@@ -280,14 +279,12 @@ def _decode_step(seed, pool_dtype, *, heads=32, kv_heads=8, head_dim=128, page=1
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
-def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, splits, monkeypatch):
+def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, splits):
     """The decode kernel that writes the step's keys/values itself leaves the pools bit for bit as a
     scatter does and attends over them bit for bit as the plain kernel does after the scatter (the
     same kernel reads the same bytes); its output also matches the float64 reference over the
     written pools. Real tokens' rows sit at page starts, page ends and mid-page, and (the MMA
     kernel stores as late as it can) in a CTA's first 64-key tile, its second and later ones."""
-    monkeypatch.setattr(attention, "DECODE_KERNEL", variant)
-    monkeypatch.setattr(attention, "DECODE_SPLITS", splits)
     dtype = "float16" if pool_dtype == "float16" else "bfloat16"
     c, k_new, v_new, slots = _decode_step(5, pool_dtype)
     c["dtype"] = dtype
@@ -299,7 +296,8 @@ def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, s
         def step(a, k_new, v_new, slots):
             rest = {k: v for k, v in a.items() if k not in ("q", "k_pool", "v_pool")}
             return attention.paged_write_attention(a["q"], k_new, v_new, a["k_pool"], a["v_pool"], slots, **rest,
-                                                   **static, backend=backend)
+                                                   **static, backend=backend, decode_variant=variant,
+                                                   decode_splits=splits)
         return jax.jit(step)
 
     fused = run("fused_kernel")

@@ -229,11 +229,10 @@ class Scheduler:
         return False
 
     def _commit_prompts(self, plan: list[tuple[Request, int, list[int]]]) -> list[tuple[Request, int]]:
-        batch = []
+        # Admissions first take their cached prefix pages, then every row grows: a fresh page may
+        # evict the least recently released cached page, which must not be one the plan starts from.
         for r, n, shared in plan:
-            if r.pending > 1 and r in self.running:
-                self.pool.grow(r.pages, r.computed + n)
-                batch.append((r, n))
+            if r in self.running:
                 continue
             if self.waiting.popleft() is not r:  # admissions take the queue's head, in order
                 raise RuntimeError("the scheduler admitted a request out of arrival order")
@@ -243,6 +242,9 @@ class Scheduler:
             r.registered = len(shared)
             r.cached_tokens = r.computed
             self.prefix_hit_tokens += r.computed
-            self.pool.grow(r.pages, r.computed + n)
+        batch = []
+        for r, n, _ in plan:
+            if not self.pool.grow(r.pages, r.computed + n):
+                raise RuntimeError("the scheduler planned more pages than the pool has")
             batch.append((r, n))
         return batch
