@@ -1,6 +1,6 @@
 """The engine on a GPU, end to end through ``LLM.generate``: decode steps whose attention kernel
-writes the step's keys/values itself (``attention.FUSED_PAGE_WRITE``) generate exactly what the
-same engine generates with a scatter per pool first, on a synthetic ModelOpt FP8 Llama whose
+writes the step's keys/values itself (``AttentionConfig.decode="fused_kernel"``, the default on
+CUDA) generate exactly what the same engine generates with a scatter per pool first (``"kernel"``), on a synthetic ModelOpt FP8 Llama whose
 heads (d = 64) the CUDA kernels serve, bf16 and FP8 pages, with requests of ragged lengths that
 wait, run and finish at different steps. Both runs read identical pool bytes, so tokens and
 log-probs are equal, not close.
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from modelopt_jax import LLM, SamplingParams
-from modelopt_jax.ops import attention, native
+from modelopt_jax.engine import Engine
+from modelopt_jax.ops import native
 from modelopt_jax.synthetic import write_checkpoint
 
 pytestmark = [pytest.mark.gpu,
@@ -26,9 +27,15 @@ def checkpoint(tmp_path_factory):
     return str(d)
 
 
-def _generate(checkpoint, kv_cache_dtype):
+def _generate(checkpoint, kv_cache_dtype, decode):
     llm = LLM(checkpoint, kv_cache_dtype=kv_cache_dtype, max_model_len=1024, kv_cache_bytes=64 << 20,
               max_num_seqs=16)
+    assert llm.engine.runner.attention.decode == "fused_kernel"  # what CUDA resolves to
+    if decode != "fused_kernel":
+        old, llm.engine = llm.engine, None
+        llm.engine = Engine(llm.model, max_model_len=old.max_model_len, pad_id=old.runner.pad_id, config=old.config,
+                            attention=llm.model.attention_config(old.config.page_size, decode=decode))
+        del old
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 1000, int(n)).tolist() for n in rng.integers(1, 400, 40)]
     params = [SamplingParams(max_tokens=int(n), ignore_eos=True, logprobs=2) for n in rng.integers(1, 60, 40)]
@@ -37,10 +44,9 @@ def _generate(checkpoint, kv_cache_dtype):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
-def test_fused_page_write_generates_what_scatter_then_attend_does(checkpoint, kv_cache_dtype, monkeypatch):
-    fused = _generate(checkpoint, kv_cache_dtype)
-    monkeypatch.setattr(attention, "FUSED_PAGE_WRITE", False)  # read when the engine's programs are traced
-    unfused = _generate(checkpoint, kv_cache_dtype)
+def test_fused_page_write_generates_what_scatter_then_attend_does(checkpoint, kv_cache_dtype):
+    fused = _generate(checkpoint, kv_cache_dtype, "fused_kernel")
+    unfused = _generate(checkpoint, kv_cache_dtype, "kernel")
     assert len(fused) == 40
     for i, (a, b) in enumerate(zip(fused, unfused)):
         assert a[0] == b[0], f"prompt {i}: tokens differ"
