@@ -61,12 +61,13 @@ def random_pools(total_pages, dtype, seed):
     return pools
 
 
-def ours(q, pool, tables, positions, backend, fp8):
+def ours(q, pool, tables, positions, backend, fp8, variant="mma", splits=None):
     k, v = pool
     scale = 0.02 if fp8 else None
     return paged_attention(q, k, v, k_scale=scale, v_scale=scale, page_size=PAGE,
                            token_rows=jnp.arange(q.shape[0], dtype=jnp.int32), positions=positions,
-                           block_tables=tables, dtype=jnp.bfloat16, backend=backend)
+                           block_tables=tables, dtype=jnp.bfloat16, backend=backend, decode_variant=variant,
+                           decode_splits=splits)
 
 
 def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> float:
@@ -77,16 +78,6 @@ def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> f
     times = kernel_times(lambda: jax.block_until_ready(program(xs, ws)))
     ns = sum(total for name, (_, total) in times.items() if any(k in name for k in kernels))
     return ns / 1e9 / len(ws)
-
-
-def with_kernel(variant, *args):
-    """``ours`` through another decode kernel (the setting is read when the call is traced)."""
-    before = attention.DECODE_KERNEL
-    attention.DECODE_KERNEL = variant
-    try:
-        return ours(*args)
-    finally:
-        attention.DECODE_KERNEL = before
 
 
 def sweep_splits(splits: list[int], shapes=SHAPES) -> list[dict]:
@@ -101,12 +92,8 @@ def sweep_splits(splits: list[int], shapes=SHAPES) -> list[dict]:
                                           jnp.dtype(dtype).itemsize)
             line = {"batch": batch, "context": context, "pages": name, "auto": auto}
             for n in splits:
-                attention.DECODE_SPLITS = n
-                try:
-                    fn = lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8")  # noqa: E731
-                    line[n] = kernel_only_seconds(fn, [q] * len(pools), pools) * 1e6
-                finally:
-                    attention.DECODE_SPLITS = None
+                fn = lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8", splits=n)  # noqa: E731
+                line[n] = kernel_only_seconds(fn, [q] * len(pools), pools) * 1e6
             rows.append(line)
             cells = " ".join(f"{n}{'*' if n == auto else ''}:{line[n]:.0f}" for n in splits)
             print(f"batch {batch:4d} x {context:5d} {name}: {cells}", flush=True)
@@ -215,7 +202,7 @@ def main():
             q, pools, tables, positions = make(batch, context, dtype, batch + context)
             kv_bytes = 2 * batch * context * KV * D * jnp.dtype(dtype).itemsize
             peers = {"kernel": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8"),
-                     "kernel_staged": lambda x, w: with_kernel("staged", x, w, tables, positions, "kernel", name == "fp8"),
+                     "kernel_staged": lambda x, w: ours(x, w, tables, positions, "kernel", name == "fp8", "staged"),
                      "xla": lambda x, w: ours(x, w, tables, positions, "xla", name == "fp8")}
             if name == "bf16":
                 # pallas pages are [KV, pages, page, D]: transposed outside the timed program

@@ -26,6 +26,7 @@ script imports ``workload`` into a vLLM process).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -304,6 +305,21 @@ def ratio_table(ours: dict, peer: dict) -> dict:
     return ratios
 
 
+def parse_settings(text: str) -> dict:
+    """``k=v,k=v`` as keyword arguments: integers, true/false, none, or the string."""
+    def value(v):
+        low = v.strip().lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if low == "none":
+            return None
+        try:
+            return int(v)
+        except ValueError:
+            return v.strip()
+    return {k.strip(): value(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
+
+
 def run_engine_variant(llm, variant: str, scale: float = 1.0) -> dict:
     """(b) under another EngineConfig (``k=v,...``), same weights: the old engine's pool is freed
     first, then the workload runs twice (the second run is reported)."""
@@ -312,12 +328,12 @@ def run_engine_variant(llm, variant: str, scale: float = 1.0) -> dict:
 
     from modelopt_jax.engine import Engine
 
-    changes = {k: int(v) for k, v in (kv.split("=") for kv in variant.split(","))}
-    config = dataclasses.replace(llm.engine.config, **changes)
+    config = dataclasses.replace(llm.engine.config, **parse_settings(variant))
+    attention = llm.engine.runner.attention
     llm.engine = None
     gc.collect()
     llm.engine = Engine(llm.model, max_model_len=llm.max_model_len, config=config,
-                        pad_id=llm.model.config.pad_token_id or 0)
+                        pad_id=llm.model.config.pad_token_id or 0, attention=attention)
     prompts, params = workload("b", llm.model.config.vocab_size, scale)
     t = time.perf_counter()
     run(llm, prompts, params)
@@ -353,19 +369,15 @@ def main():
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
                     help="after the workloads, run (b) again under these EngineConfig changes (repeatable), "
-                         "e.g. max_num_seqs=512,prefill_wait_steps=0")
+                         "e.g. max_num_seqs=512,max_num_batched_tokens=4096")
     ap.add_argument("--trace-step", default=None, metavar="WORKLOADS",
                     help="one decode step of each workload in launch order (kernels, durations, gaps)")
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
                     help="after the workloads, the GPU kernels of these workloads' decode and prompt steps "
                          "(CUPTI; default a; b256 = 256 rows of 700 tokens, (b)'s steady state; c1024, c4096: (c)'s request)")
-    ap.add_argument("--attention-kernel", choices=["mma", "staged"], default="mma",
-                    help="which CUDA paged decode kernel the engine runs (modelopt_jax.ops.attention.DECODE_KERNEL)")
-    ap.add_argument("--prefill-kernel", choices=["on", "off"], default="on",
-                    help="off: prompt steps run XLA's attention (modelopt_jax.ops.attention.PREFILL_KERNEL)")
-    ap.add_argument("--fused-page-write", choices=["on", "off"], default="on",
-                    help="off: decode steps scatter each layer's keys/values before the decode kernel "
-                         "(modelopt_jax.ops.attention.FUSED_PAGE_WRITE)")
+    ap.add_argument("--attention", default="", metavar="K=V[,K=V]",
+                    help="AttentionConfig overrides for A/B runs (model.attention_config), e.g. "
+                         "decode=kernel (scatter, then the decode kernel), prefill=xla, decode_variant=staged")
     args = ap.parse_args()
     if args.compare:
         if not args.peer_json:
@@ -377,11 +389,6 @@ def main():
     import jax
 
     from modelopt_jax import LLM
-    from modelopt_jax.ops import attention
-
-    attention.DECODE_KERNEL = args.attention_kernel
-    attention.PREFILL_KERNEL = args.prefill_kernel == "on"
-    attention.FUSED_PAGE_WRITE = args.fused_page_write == "on"
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)
     dev = jax.devices()[0]
@@ -395,12 +402,24 @@ def main():
     llm = LLM(args.checkpoint, kv_cache_dtype=args.kv_cache_dtype,
               **({"enable_prefix_caching": False} if args.no_prefix_caching else {}))
     model = llm.model
+    if args.attention:
+        import gc
+
+        from modelopt_jax.engine import Engine
+
+        old = llm.engine
+        llm.engine = None
+        attention = model.attention_config(old.config.page_size, **parse_settings(args.attention))
+        llm.engine = Engine(model, max_model_len=old.max_model_len, config=old.config, pad_id=old.runner.pad_id,
+                            attention=attention)
+        del old
+        gc.collect()
     wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
           f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
-    report = {"device": dev.device_kind, "attention_kernel": args.attention_kernel, "prefill_kernel": args.prefill_kernel,
-              "fused_page_write": args.fused_page_write, "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
+    report = {"device": dev.device_kind, "attention": dataclasses.asdict(llm.engine.runner.attention),
+              "engine": dataclasses.asdict(llm.engine.config), "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static, "scale": args.scale,
               "prefix_caching": not args.no_prefix_caching}
     for name in args.workloads.split(","):

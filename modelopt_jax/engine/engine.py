@@ -17,7 +17,6 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from modelopt_jax.engine.pages import PagePool
 from modelopt_jax.engine.request import Request, RequestOutput, group_outputs, logprob_entry
