@@ -110,8 +110,8 @@ print('memcheck sample done')
       while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
-        [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention-kernel staged)
-        [ "$1" = noprefill ] && extra+=(--prefill-kernel off); [ "$1" = nofusedwrite ] && extra+=(--fused-page-write off)
+        [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention decode_variant=staged)
+        [ "$1" = noprefill ] && extra+=(--attention prefill=xla); [ "$1" = nofusedwrite ] && extra+=(--attention decode=kernel)
         [ "$1" = noprefix ] && extra+=(--no-prefix-caching)  # LLM(enable_prefix_caching=False)
         tag+="_$1"; shift
       done

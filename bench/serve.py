@@ -114,9 +114,7 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
-    from modelopt_jax.engine.engine import page_bytes
-
-    return page_bytes(model, 1)
+    return model.kv_cache.page_bytes(1)
 
 
 def static_dense_peer(checkpoint: str, kv_cache_dtype: str, max_model_len: int = 4096, new: int = 128) -> dict:
