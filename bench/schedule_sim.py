@@ -34,17 +34,22 @@ from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
 
-def workload(name: str) -> list[tuple[int, int]]:
-    """(prompt tokens, max_tokens) per request, drawn as bench/serve.py draws them."""
+def workload(name: str) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request, shaped as bench/serve.py draws them (distinct ids
+    per request where serve.py's prompts are distinct, a shared prefix where they share one)."""
     rng = np.random.default_rng(0)
     if name == "a":
-        return [(1024, 128)] * 64
+        return [([10 + i] * 1024, 128) for i in range(64)]
     if name == "d":
-        return [(1000, 1000)] * 1000
+        return [([10 + i] * 1000, 1000) for i in range(1000)]
+    if name == "e":  # a 1500-token system prompt shared by all, 50-200 distinct tokens each, 128 out
+        return [([3] * 1500 + [10 + i] * int(rng.integers(50, 201)), 128) for i in range(1000)]
+    if name == "f":  # 256 prompts of 512 tokens, 8 samples each, 256 out
+        return [([10 + i] * 512, 256) for i in range(256) for _ in range(8)]
     out = []
-    for _ in range(1000):
+    for i in range(1000):
         n = int(rng.integers(64, 1025))
-        out.append((n, int(rng.integers(32, 513))))
+        out.append(([10 + i] * n, int(rng.integers(32, 513))))
     return out
 
 
@@ -60,22 +65,35 @@ def step_seconds(batch) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="b", choices=["a", "b", "d"])
+    ap.add_argument("--workload", default="b", choices=["a", "b", "d", "e", "f"])
+    ap.add_argument("--runs", type=int, default=1, help="run the workload this many times over one pool "
+                                                         "(later runs find earlier prompts in the prefix cache)")
     ap.add_argument("--pages", type=int, default=53469)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: what the engine picks for the pool")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--reserve-tokens", type=int, default=1024)
+    ap.add_argument("--verbose", action="store_true", help="print every program's shape and step count")
     args = ap.parse_args()
     if args.max_num_seqs is None:
         args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
-    requests = [Request(i, None, [10 + i] * n, SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
-                        np.zeros(2, np.uint32)) for i, (n, m) in enumerate(workload(args.workload))]
     pool = PagePool(args.pages, args.page_size)
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           reserve_tokens=args.reserve_tokens)
     attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel")  # the H200's paths
+    seen = set()
+    for run in range(args.runs):
+        requests = [Request(i, None, list(ids), SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
+                            np.zeros(2, np.uint32)) for i, (ids, m) in enumerate(workload(args.workload))]
+        shapes = simulate(args, scheduler, attention, requests, run)
+        new = set(shapes) - seen
+        seen |= set(shapes)
+        print(f"run {run + 1}: {len(shapes)} programs, {len(new)} not compiled by an earlier run; "
+              f"prefix-cache hit tokens {sum(r.cached_tokens for r in requests):,}")
+
+
+def simulate(args, scheduler, attention, requests, run):
     for r in requests:
         scheduler.add(r)
     table_width = -(-args.max_model_len // args.page_size)
@@ -93,6 +111,7 @@ def main():
         padded += key.tokens
         for r, n in batch:
             r.computed += n
+            scheduler.register_pages(r)
             if r.pending == 0:
                 r.accept(7, 0.0, [], [])
                 if r.finish_reason:
@@ -103,13 +122,15 @@ def main():
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
           f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
           f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%}")
-    generated = sum(m for _, m in workload(args.workload))
+    generated = sum(r.budget for r in requests)
     total = seconds["prompt"] + seconds["decode"]
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
           f"{generated / total:,.0f} generated tok/s")
-    print("decode-rows prompt-tokens prompt-rows prompt-width table-width: steps")
-    for k, v in sorted(shapes.items()):
-        print(*dataclasses.astuple(k), ":", v)
+    if args.verbose:
+        print("decode-rows prompt-tokens prompt-rows prompt-width table-width: steps")
+        for k, v in sorted(shapes.items()):
+            print(*dataclasses.astuple(k), ":", v)
+    return shapes
 
 
 if __name__ == "__main__":

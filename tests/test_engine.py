@@ -411,6 +411,28 @@ def test_mixed_steps_carry_every_decode_and_prompt_chunks_within_the_budget():
     assert sum(n for _, n in batch) <= 24 - 8 + 2
 
 
+def test_a_request_waiting_for_a_prefix_being_computed_does_not_hold_up_the_queue():
+    """The second sample of a prompt waits one step for the pages the first computes (and then
+    computes only its last partial page), while a request behind it with another prompt is admitted
+    at once: n > 1 fans out without serializing the queue."""
+    from modelopt_jax.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(PagePool(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    first, sibling, other = _request(0, 10), _request(1, 10), _request(2, 6, tokens=range(50, 56))
+    for r in (first, sibling, other):
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    assert batch == [(first, 10), (other, 6)] and list(scheduler.waiting) == [sibling]
+    for r, n in batch:
+        r.computed += n
+        scheduler.register_pages(r)
+        r.generated.append(9)
+    batch = scheduler.schedule()
+    assert batch == [(first, 1), (other, 1), (sibling, 2)] and sibling.cached_tokens == 8
+    assert first.pages[:2] == sibling.pages[:2] and scheduler.pool.refcount(first.pages[0]) == 2
+    scheduler.pool.check()
+
+
 def test_admission_reserves_pages_for_the_running_requests_growth():
     """With reserve_tokens a waiting request is admitted only while the running ones keep pages for
     their next tokens (at most their max_tokens); without, it is admitted at once."""

@@ -114,7 +114,8 @@ def _reference(step, q, k_new, v_new, k_pool, v_pool):
 def _run(step, q, k_new, v_new, k_pool, v_pool):
     scale = 1.0 if k_pool.dtype == jnp.float8_e4m3fn else None  # FP8 pages carry a scale (1.0: codes are values)
     fn = jax.jit(lambda step, *a: attention.step_attention(*a, k_scale=scale, v_scale=scale, step=step, dtype=q.dtype))
-    return fn, fn(step, q, k_new, v_new, k_pool, v_pool)
+    with jax.default_matmul_precision("highest"):  # float32 einsums on a GPU: not TF32
+        return fn, fn(step, q, k_new, v_new, k_pool, v_pool)
 
 
 def test_a_mixed_step_attends_each_row_over_its_own_pages():

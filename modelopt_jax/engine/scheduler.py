@@ -13,8 +13,9 @@ the running streams and a step's work stays bounded.
   preemption later. A long prompt is split into chunks across steps.
 - Prefix caching: an admitted request starts from the longest run of cached full pages that its
   prompt begins with (never its last token: that one is computed, to sample from), holding them
-  read-only. A waiting request whose next page is being computed by a request already prefilling
-  (in this step or a later chunk) waits for it, so requests that share a prefix compute it once.
+  read-only. A waiting request whose next page is being computed by another request (admitted in
+  this step, or part-way through its prompt) waits for it while the requests behind it are admitted,
+  so requests that share a prefix (the n samples of a prompt) compute it once.
 - A finished request's pages are released the moment it finishes.
 - (The server) a step whose program is still compiling runs its decodes alone, its prompt chunks
   waiting: ``schedule(ready=...)`` asks before committing them.
@@ -173,13 +174,16 @@ class Scheduler:
             plan.append((r, n, []))
             budget -= n
         reserve = self._reserve() if self.waiting and budget > 0 else 0
+        computing = None  # keys of prompt pages some request computes now (built on first need)
         for r in self.waiting:
             if budget <= 0 or len(self.running) + admitted >= self.max_num_seqs:
                 break
             shared = self._cached_prefix(r)
+            if computing is None:
+                computing = self._pages_being_computed(prefilling)
+            if self._waits_for_prefix(r, len(shared), computing):
+                continue  # its next page is being computed: it joins a later step and shares it
             start = len(shared) * page
-            if self._prefix_being_computed(r, len(shared), prefilling):
-                break  # it waits for those pages rather than computing them a second time
             n = min(r.pending - start, budget)
             need = self.pool.pages_for(start + n) - len(shared)
             # cached pages nobody holds count as free: taking them makes them unavailable
@@ -190,7 +194,7 @@ class Scheduler:
             reserve += self._reserve_of(r)
             admitted += 1
             plan.append((r, n, shared))
-            prefilling.append(r)
+            self._note_computing(r, start, computing)
             budget -= n
         return plan
 
@@ -211,22 +215,33 @@ class Scheduler:
             page_keys(tokens, self.pool.page_size, r.page_keys, self.key_salt)
         return self.pool.lookup(r.page_keys[:usable])
 
-    def _prefix_being_computed(self, r: Request, hit_pages: int, prefilling: list[Request]) -> bool:
-        """Whether page ``hit_pages`` of ``r`` (its first one not cached) is a page another request is
-        computing now: the same key at the same index, not yet registered."""
-        keys = r.page_keys
-        if not self.pool.prefix_caching or hit_pages >= len(keys) or r.params.prompt_logprobs is not None:
-            return False
+    def _pages_being_computed(self, prefilling: list[Request]) -> set[bytes]:
+        """Keys of the full prompt pages that requests part-way through their prompts have not
+        registered yet (they are computing them, in this step or a later one)."""
+        keys: set[bytes] = set()
+        if not self.pool.prefix_caching:
+            return keys
+        for r in prefilling:
+            self._note_computing(r, r.registered * self.pool.page_size, keys)
+        return keys
+
+    def _note_computing(self, r: Request, start: int, keys: set[bytes]) -> None:
+        """Adds the keys of ``r``'s full prompt pages from position ``start`` on to ``keys``."""
+        if not self.pool.prefix_caching or r.params.prompt_logprobs is not None:
+            return
         page = self.pool.page_size
-        for other in prefilling:
-            if other is r or len(other.prompt_ids) < (hit_pages + 1) * page:
-                continue
-            if len(other.page_keys) <= hit_pages:
-                page_keys(other.prompt_ids, page, other.page_keys, self.key_salt)
-            if len(other.page_keys) > hit_pages and other.page_keys[hit_pages] == keys[hit_pages] and \
-                    other.registered <= hit_pages:
-                return True
-        return False
+        full = len(r.prompt_ids) // page
+        if len(r.page_keys) < full:
+            page_keys(r.prompt_ids, page, r.page_keys, self.key_salt)
+        keys.update(r.page_keys[start // page:full])
+
+    def _waits_for_prefix(self, r: Request, hit_pages: int, computing: set[bytes]) -> bool:
+        """Whether ``r``'s first page not in the cache is one another request is computing: then it
+        waits for that page rather than computing it a second time (the n samples of a prompt,
+        requests that share a system prompt and arrive together)."""
+        if not computing or r.params.prompt_logprobs is not None:
+            return False
+        return hit_pages < len(r.page_keys) and r.page_keys[hit_pages] in computing
 
     def _commit_prompts(self, plan: list[tuple[Request, int, list[int]]]) -> list[tuple[Request, int]]:
         # Admissions first take their cached prefix pages, then every row grows: a fresh page may
@@ -234,8 +249,10 @@ class Scheduler:
         for r, n, shared in plan:
             if r in self.running:
                 continue
-            if self.waiting.popleft() is not r:  # admissions take the queue's head, in order
-                raise RuntimeError("the scheduler admitted a request out of arrival order")
+            if self.waiting[0] is r:  # admissions keep arrival order, but for requests waiting on a prefix
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(r)
             self.running.append(r)
             self.pool.share(r.pages, shared)
             r.computed = len(shared) * self.pool.page_size
