@@ -158,6 +158,17 @@ class LLM:
             raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from e
 
     # ---- request handling -----------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids as :meth:`generate` feeds them (with ``add_special_tokens``: the
+        tokenizer's own special tokens, and the BOS where the tokenizer adds none)."""
+        if not isinstance(text, str):
+            raise RequestTypeError(f"tokenize: text must be a string, got {type(text).__name__}")
+        if not add_special_tokens:
+            if self.tokenizer is None:
+                raise RequestError(f"{self.path} has no tokenizer.json: pass LLM(..., tokenizer=...)")
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(0, text)[1]
+
     def _encode(self, index: int, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
             keys = set(prompt)

@@ -240,7 +240,16 @@ def test_chat_completion_equals_llm_chat(served, reference):
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
@@ -273,6 +282,99 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, pat
     ok = served.client.post("/v1/completions", json={"prompt": "Emma", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
     served.idle()
+
+
+def test_n_and_best_of_give_the_samples_llm_generate_gives(served, reference):
+    """n=3 seeded: the three completions of LLM.generate(n=3), as choices 0-2 of the prompt (choices of
+    a second prompt follow as 3-5), streamed or not; best_of=4, n=2: the two most likely of the four
+    samples LLM.generate(n=4) draws; the prompt's tokens count once in the usage."""
+    prompts = [PROMPTS[5], PROMPTS[6]]
+    body = {"prompt": prompts, "max_tokens": 12, "temperature": 0.9, "seed": 4, "ignore_eos": True, "n": 3}
+    got = served.client.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    got = got.json()
+    want = reference.generate(prompts, SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=4, ignore_eos=True),
+                              use_tqdm=False)
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    assert [c["text"] for c in got["choices"]] == [c.text for w in want for c in w.outputs]
+    assert got["usage"]["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in want)
+    assert got["usage"]["completion_tokens"] == 6 * 12
+    streamed = _stream(served.client, "/v1/completions", body)
+    for i, choice in enumerate(got["choices"]):
+        assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"][0]["index"] == i) == choice["text"]
+    best = served.client.post("/v1/completions", json={**body, "prompt": prompts[0], "n": 2, "best_of": 4}).json()
+    (four,) = reference.generate(prompts[0], SamplingParams(n=4, max_tokens=12, temperature=0.9, seed=4,
+                                                            ignore_eos=True), use_tqdm=False)
+    ranked = sorted(four.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c["text"] for c in best["choices"]] == [c.text for c in ranked]
+    chat = served.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Who is Emma?"}], "max_tokens": 8, "temperature": 0.9, "seed": 2,
+        "n": 2, "ignore_eos": True}).json()
+    (want_chat,) = reference.chat([{"role": "user", "content": "Who is Emma?"}],
+                                  SamplingParams(n=2, max_tokens=8, temperature=0.9, seed=2, ignore_eos=True),
+                                  chat_template=TEMPLATE)
+    assert [c["message"]["content"] for c in chat["choices"]] == [c.text for c in want_chat.outputs]
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    served.idle()
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_harnesses_ask(served, reference):
+    """lm-evaluation-harness's log-likelihood request (echo, max_tokens=0, logprobs=1): the prompt
+    back as the text, and each prompt token's log-prob (None for the first) equal to LLM.generate's
+    prompt_logprobs; with max_tokens > 0 the completion follows the prompt in text and log-probs.
+    Streamed, the same."""
+    prompt = PROMPTS[0]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    got = served.client.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    (choice,) = got.json()["choices"]
+    (want,) = reference.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    ids = want.prompt_token_ids
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [reference.tokenizer.decode([t], skip_special_tokens=False) for t in ids]  # BOS too
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e[t] for e, t in zip(want.prompt_logprobs[1:], ids[1:])],
+                                                     abs=1e-5)
+    assert all(top is None or len(top) >= 1 for top in lp["top_logprobs"])
+    assert got.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    streamed = _stream(served.client, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in streamed) == prompt
+    assert sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in streamed if c["choices"][0]["logprobs"]), []) \
+        == lp["token_logprobs"]
+    more = served.client.post("/v1/completions", json={**body, "max_tokens": 5, "ignore_eos": True}).json()
+    (gen,) = reference.generate(prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    (c,) = more["choices"]
+    assert c["text"] == prompt + gen.text and len(c["logprobs"]["tokens"]) == len(ids) + 5
+    assert c["logprobs"]["token_logprobs"][:len(ids)] == lp["token_logprobs"]
+    vllm_style = served.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+                                                             "temperature": 0}).json()["choices"][0]
+    entries = vllm_style["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for t, entry, w in zip(ids[1:], entries[1:], want.prompt_logprobs[1:]):
+        assert entry[str(t)]["logprob"] == pytest.approx(w[t], abs=1e-5)
+        ranks = [e["rank"] for e in entry.values() if e["rank"] is not None]
+        assert sorted(ranks) == list(range(1, len(ranks) + 1))
+    served.idle()
+
+
+def test_tokenize_detokenize_and_tokenizer_info(served, reference):
+    """vLLM's tokenizer routes: /tokenize gives the ids the server generates from (a prompt, or a chat
+    as the template renders it), /detokenize their text, /tokenizer_info the lengths and tokens."""
+    got = served.client.post("/tokenize", json={"prompt": PROMPTS[1], "return_token_strs": True}).json()
+    ids = reference.requests(PROMPTS[1])[0].prompt_ids
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == 128
+    assert got["token_strs"] == [reference.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    bare = served.client.post("/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False}).json()
+    assert bare["tokens"] == reference.tokenizer.encode(PROMPTS[1], add_special_tokens=False).ids
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    chat = served.client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == reference.chat_requests(messages, chat_template=TEMPLATE)[0].prompt_ids
+    text = served.client.post("/detokenize", json={"tokens": bare["tokens"]}).json()["prompt"]
+    assert text == PROMPTS[1]
+    info = served.client.get("/tokenizer_info").json()
+    assert info["model_max_length"] == 128 and info["vocab_size"] == reference.model.config.vocab_size
+    assert info["chat_template"] == TEMPLATE
 
 
 def test_an_explicit_max_tokens_must_fit_and_the_default_is_capped(served):

@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, and ``/health``.
+"""The ASGI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, and
+vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``.
 
 Starlette, not FastAPI: the bodies are validated by :mod:`.protocol` (so errors name the field in
 OpenAI's format rather than FastAPI's 422), which leaves FastAPI nothing to add but pydantic.
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modelopt_jax.errors import ChatTemplateError, InvalidArgumentError, RequestError
+from modelopt_jax.sampling import SamplingParams
 from modelopt_jax.serve import protocol, responses
 from modelopt_jax.serve.engine_thread import EngineFailure, EngineThread, Stream
 from modelopt_jax.serve.protocol import ApiError
@@ -126,6 +128,9 @@ class OpenAIServer:
         app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                                 Route("/v1/models", self.models, methods=["GET"]),
+                                Route("/tokenize", self.tokenize, methods=["POST"]),
+                                Route("/detokenize", self.detokenize, methods=["POST"]),
+                                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
                                 Route("/health", self.health, methods=["GET"])],
                         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _crash},
                         lifespan=lifespan)
@@ -149,7 +154,8 @@ class OpenAIServer:
         model = self._model(api.model)
         requests = await self._build("prompt", self.llm.requests, api.prompts, api.params, detokenize=True)
         protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
-        return await self._answer(request, api, requests, responses.CompletionChunks, responses.completion, model)
+        return await self._answer(request, api, requests, responses.CompletionChunks, responses.completion, model,
+                                  echo=api.echo, score_only=api.score_only)
 
     async def chat_completions(self, request: Request) -> Response:
         api = protocol.parse_chat(await _body(request), self.llm.max_model_len)
@@ -159,6 +165,40 @@ class OpenAIServer:
                                      detokenize=True)
         protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
         return await self._answer(request, api, requests, responses.ChatChunks, responses.chat_completion, model)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: the ids a prompt (or a chat) is generated from."""
+        body = protocol.parse_tokenize(await _body(request))
+        self._model(body.model)
+        if body.prompt is not None:
+            ids = await self._build("prompt", self.llm.tokenize, body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            requests = await self._build("messages", self.llm.chat_requests, body.messages, SamplingParams(max_tokens=1),
+                                         chat_template=self.chat_template,
+                                         add_generation_prompt=body.add_generation_prompt)
+            ids = requests[0].prompt_ids
+        return JSONResponse({"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids,
+                             "token_strs": [self.texts(t) for t in ids] if body.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: the text of token ids (special tokens included)."""
+        model, tokens = protocol.parse_detokenize(await _body(request), self.llm.model.config.vocab_size)
+        self._model(model)
+        text = await run_in_threadpool(self.llm.tokenizer.decode, tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does."""
+        try:
+            template = self.llm.get_chat_template(self.chat_template)
+            source, special = template.source, template.special_tokens
+        except (ChatTemplateError, RequestError):
+            source, special = None, {}
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": self.llm.max_model_len,
+                             "vocab_size": self.llm.model.config.vocab_size, "chat_template": source,
+                             "bos_token_id": self.llm.model.config.bos_token_id,
+                             "eos_token_ids": sorted(self.llm.eos_token_ids),
+                             **{name: value for name, value in special.items()}})
 
     # -- shared --------------------------------------------------------------------------------
 
@@ -183,18 +223,27 @@ class OpenAIServer:
         except EngineFailure as e:
             raise ApiError(503, str(e), code="engine_dead") from None
 
-    async def _answer(self, request: Request, api: protocol.ApiRequest, requests, chunks, whole, model: str):
+    def _prompts(self, requests, samples: int) -> list[responses.Prompt]:
+        """One per prompt (its sample 0 among ``requests``): the text echoed, the ids scored."""
+        return [responses.Prompt(r.prompt if isinstance(r.prompt, str) else
+                                 self.llm.tokenizer.decode(r.prompt_ids, skip_special_tokens=False), r.prompt_ids)
+                for r in requests[::samples]]
+
+    async def _answer(self, request: Request, api: protocol.ApiRequest, requests, chunks, whole, model: str, **shape):
+        prompts = self._prompts(requests, api.samples) if shape.get("echo") or api.prompt_logprobs is not None else None
         stream = self._submit(requests)
         if api.stream:
-            return EventStream(self._events(stream, chunks(model, len(requests), self.texts, api.logprobs), api),
+            return EventStream(self._events(stream, chunks(model, len(requests), self.texts, api.logprobs,
+                                                           samples=api.samples, prompts=prompts, **shape), api),
                                stream)
-        finished, choices = await _unless_disconnected(self._collect(stream), request.receive, stream)
+        finished, choices = await _unless_disconnected(self._collect(stream, api), request.receive, stream)
         if not finished:
             return Response(status_code=499)  # nobody is listening; uvicorn drops it
-        return JSONResponse(whole(model, choices, self.texts, api.logprobs))
+        return JSONResponse(whole(model, choices, self.texts, api.logprobs, prompts=prompts,
+                                  prompt_logprobs=api.prompt_logprobs, **shape))
 
-    async def _collect(self, stream: Stream) -> responses.Choices:
-        choices = responses.Choices(len(stream.requests))
+    async def _collect(self, stream: Stream, api: protocol.ApiRequest) -> responses.Choices:
+        choices = responses.Choices(len(stream.requests), api.samples, api.n)
         try:
             async for delta in stream:
                 choices.add(delta)
@@ -203,14 +252,13 @@ class OpenAIServer:
         return choices
 
     async def _events(self, stream: Stream, chunks, api: protocol.ApiRequest):
-        counts = responses.Choices(len(stream.requests))
+        counts = responses.Choices(len(stream.requests), api.samples, api.n)
         try:
             for chunk in chunks.first():
                 yield responses.sse(chunk)
             async for delta in stream:
                 counts.add(delta)
-                chunk = chunks.chunk(delta)
-                if chunk is not None:
+                for chunk in chunks.chunks(delta):
                     yield responses.sse(chunk)
             if api.include_usage:
                 yield responses.sse(chunks.usage(counts.usage()))

@@ -42,6 +42,9 @@ class Delta:
     stop_reason: int | str | None
     prompt_tokens: int
     completion_tokens: int              # generated so far
+    cumulative_logprob: float           # of every token generated so far (ranks best_of samples)
+    prompt_logprobs: list | None = None  # first delta of a request that asked for them: one entry per
+                                        # prompt token ({token: logprob, ...}; None for the first)
 
 
 class Stream:
@@ -51,6 +54,7 @@ class Stream:
         self.owner, self.requests, self.loop = owner, requests, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self._sent = [0] * len(requests)   # tokens already handed out, per request (engine thread only)
+        self._cumulative = [0.0] * len(requests)  # their summed log-probs (engine thread only)
         self._open = len(requests)
 
     def __aiter__(self):
@@ -83,10 +87,13 @@ class Stream:
 
     def _delta(self, i: int, r: Request) -> Delta:
         start, self._sent[i] = self._sent[i], len(r.generated)
+        self._cumulative[i] += sum(e[t] for e, t in zip(r.logprobs[start:], r.generated[start:]))
+        prompt = r.prompt_logprobs_list() if start == 0 else None
         return Delta(index=i, token_ids=r.generated[start:], text=r.detokenizer.take_delta(),
                      logprobs=r.logprobs[start:] if r.params.logprobs is not None else None,
                      finish_reason=r.finish_reason, stop_reason=r.stop_reason, prompt_tokens=len(r.prompt_ids),
-                     completion_tokens=len(r.generated))
+                     completion_tokens=len(r.generated), cumulative_logprob=self._cumulative[i],
+                     prompt_logprobs=prompt)
 
 
 class EngineThread:

@@ -3,13 +3,17 @@
 Pure Python (no web framework), so the rules are testable and readable on their own. Every
 sampling field is checked by :class:`~modelopt_jax.sampling.SamplingParams` itself -- built with
 that one field, so its typed error is reported under the request's field name -- and the OpenAI
-fields this server cannot honour (``n`` > 1, penalties, ``logit_bias``, ``echo``, ``tools``, ...)
-are refused with a 400 rather than ignored: an answer that silently ignored them would be wrong.
+fields this server cannot honour (penalties, ``logit_bias``, ``suffix``, ``tools``, ...) are
+refused with a 400 rather than ignored: an answer that silently ignored them would be wrong.
 Unknown fields are ignored, as vLLM does (clients add their own).
 
 Defaults are OpenAI's: ``temperature`` 1, ``top_p`` 1, ``max_tokens`` 16 for completions and the
-rest of the context for chat. Extensions (vLLM's names): ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``add_generation_prompt`` (chat).
+rest of the context for chat. ``n`` samples per prompt (``best_of`` drawn, the n most likely kept;
+not with streaming unless equal to n). Completions also take ``echo`` (the prompt before the
+completion, with its log-probs when ``logprobs`` is set) and, with ``echo``, ``max_tokens=0``
+(score a prompt, generate nothing: what evaluation harnesses send for log-likelihoods).
+Extensions (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``add_generation_prompt`` (chat), ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ class ApiRequest:
     messages: list | None = None      # chat: one conversation
     add_generation_prompt: bool = True
     max_tokens_field: str | None = None  # the field that set max_tokens explicitly; None: the default
+    n: int = 1                        # choices returned per prompt
+    echo: bool = False                # completions: the prompt's text (and log-probs) before each choice's
+    score_only: bool = False          # max_tokens=0 (with echo): the one token generated is dropped
+    prompt_logprobs: int | None = None  # alternatives per prompt token to report (vLLM's prompt_logprobs)
+
+    @property
+    def samples(self) -> int:
+        """Engine requests per prompt (``best_of`` when larger than n)."""
+        return self.params.best_of or self.params.n
 
 
 def check_room(api: ApiRequest, prompt_lengths: list[int], max_model_len: int) -> None:
@@ -74,9 +87,8 @@ _SAMPLING_FIELDS = [("temperature", "temperature"), ("top_p", "top_p"), ("top_k"
                     ("include_stop_str_in_output", "include_stop_str_in_output")]
 _OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 # fields accepted only at their neutral value: (name, what is neutral)
-_NEUTRAL = {"n": (1,), "best_of": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-            "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},), "echo": (False,),
-            "suffix": ("",), "tools": ([],), "functions": ([],), "continue_final_message": (False,),
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+            "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},), "suffix": ("",), "echo": (False,), "tools": ([],), "functions": ([],), "continue_final_message": (False,),
             "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -103,8 +115,13 @@ def _unsupported(body: dict, names) -> None:
                            param=name, code="unsupported_parameter")
 
 
-def _sampling(body: dict, max_tokens_field: str, max_tokens, logprobs: int | None) -> SamplingParams:
-    fields = {"max_tokens": (max_tokens_field, max_tokens), "logprobs": ("logprobs", logprobs)}
+def _sampling(body: dict, max_tokens_field: str, max_tokens, logprobs: int | None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
+    fields = {"max_tokens": (max_tokens_field, max_tokens), "logprobs": ("logprobs", logprobs),
+              "prompt_logprobs": ("prompt_logprobs", prompt_logprobs)}
+    for name in ("n", "best_of"):
+        if body.get(name) is not None:
+            fields[name] = (name, body[name])
     for api, field in _SAMPLING_FIELDS:
         value = body.get(api, _OPENAI_DEFAULTS.get(api))
         if value is not None:
@@ -115,7 +132,59 @@ def _sampling(body: dict, max_tokens_field: str, max_tokens, logprobs: int | Non
         except RequestError as e:
             message = str(e).removeprefix("SamplingParams: ")
             raise ApiError(400, message if api == field else f"{api}: {message}", param=api) from None
-    return SamplingParams(**{field: value for field, (_, value) in fields.items()})
+    try:
+        return SamplingParams(**{field: value for field, (_, value) in fields.items()})
+    except RequestError as e:  # a rule between fields (best_of >= n)
+        raise ApiError(400, str(e).removeprefix("SamplingParams: "), param="best_of") from None
+
+
+def _samples_and_stream(body: dict, stream: bool) -> None:
+    """Streaming sends every sample as it grows: best_of (more drawn than returned) cannot stream,
+    nor do streamed chunks carry vLLM's prompt_logprobs."""
+    n, best_of = body.get("n") or 1, body.get("best_of")
+    if stream and best_of is not None and best_of != n:
+        raise ApiError(400, f"best_of={best_of!r} with stream=true: only best_of == n can stream", param="best_of")
+    if stream and body.get("prompt_logprobs") is not None:
+        raise ApiError(400, "prompt_logprobs with stream=true is not supported (use echo with logprobs, or "
+                            "stream=false)", param="prompt_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """A ``/tokenize`` body (vLLM's): a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None
+    prompt: str | None
+    messages: list | None
+    add_special_tokens: bool          # prompt: the tokenizer's special tokens and BOS (default true)
+    add_generation_prompt: bool       # messages: end with the assistant's turn opening (default true)
+    return_token_strs: bool           # also each token's text
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _check_body(body)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ApiError(400, "give exactly one of prompt (a string) or messages (a chat)", param="prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ApiError(400, f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+    if messages is not None and (not isinstance(messages, list) or not messages):
+        raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    return TokenizeRequest(model=_model(body), prompt=prompt, messages=messages,
+                           add_special_tokens=_bool(body, "add_special_tokens", prompt is not None),
+                           add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                           return_token_strs=_bool(body, "return_token_strs", False))
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A ``/detokenize`` body: (model, token ids)."""
+    body = _check_body(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        raise ApiError(400, f"tokens must be ids in [0, {vocab_size})", param="tokens")
+    return _model(body), tokens
 
 
 def _logprobs(value, name: str) -> int | None:
@@ -166,15 +235,24 @@ def parse_completion(body: Any) -> ApiRequest:
     body = _check_body(body)
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", param="prompt")
-    _unsupported(body, ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                        "logit_bias", "echo", "suffix"))
+    _unsupported(body, ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                        "logit_bias", "suffix"))
     logprobs = _logprobs(body.get("logprobs"), "logprobs")
+    echo = _bool(body, "echo", False)
     max_tokens = body.get("max_tokens")
+    score_only = max_tokens == 0 and not isinstance(max_tokens, bool)
+    if score_only and not echo:
+        raise ApiError(400, "max_tokens=0 needs echo=true (it returns the prompt and generates nothing)",
+                       param="max_tokens")
+    prompt_logprobs = _logprobs(body.get("prompt_logprobs"), "prompt_logprobs")
+    wanted = max(prompt_logprobs or 0, logprobs or 0) if echo and logprobs is not None else prompt_logprobs
     stream, include_usage = _stream(body)
-    return ApiRequest(model=_model(body), params=_sampling(body, "max_tokens", 16 if max_tokens is None else max_tokens,
-                                                           logprobs),
-                      stream=stream, include_usage=include_usage, logprobs=logprobs, prompts=_prompts(body["prompt"]),
-                      max_tokens_field=None if max_tokens is None else "max_tokens")
+    _samples_and_stream(body, stream)
+    asked = 16 if max_tokens is None else 1 if score_only else max_tokens
+    params = _sampling(body, "max_tokens", asked, logprobs, wanted)
+    return ApiRequest(model=_model(body), params=params, stream=stream, include_usage=include_usage, logprobs=logprobs,
+                      prompts=_prompts(body["prompt"]), max_tokens_field=None if max_tokens is None else "max_tokens",
+                      n=params.n, echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs)
 
 
 def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
@@ -185,9 +263,9 @@ def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
-    _unsupported(body, ("n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    _unsupported(body, ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                         "logit_bias", "tools", "functions", "tool_choice", "response_format",
-                        "continue_final_message"))
+                        "continue_final_message", "echo"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _logprobs(body.get("top_logprobs"), "top_logprobs")
     if top is not None and not want_logprobs:
@@ -196,8 +274,10 @@ def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(field)
     stream, include_usage = _stream(body)
-    return ApiRequest(model=_model(body),
-                      params=_sampling(body, field, max_model_len if max_tokens is None else max_tokens, logprobs),
-                      stream=stream, include_usage=include_usage, logprobs=logprobs, messages=messages,
-                      add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                      max_tokens_field=None if max_tokens is None else field)
+    _samples_and_stream(body, stream)
+    prompt_logprobs = _logprobs(body.get("prompt_logprobs"), "prompt_logprobs")
+    params = _sampling(body, field, max_model_len if max_tokens is None else max_tokens, logprobs, prompt_logprobs)
+    return ApiRequest(model=_model(body), params=params, stream=stream, include_usage=include_usage, logprobs=logprobs,
+                      messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                      max_tokens_field=None if max_tokens is None else field, n=params.n,
+                      prompt_logprobs=prompt_logprobs)
