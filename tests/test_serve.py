@@ -481,6 +481,15 @@ def test_the_official_openai_client(served, reference):
     assert "max_tokens" in bad.value.message
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
+    scored = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0)
+    (prompt_lp,) = reference.generate(PROMPTS[2], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    ids = prompt_lp.prompt_token_ids
+    assert scored.choices[0].text == PROMPTS[2] and scored.choices[0].logprobs.token_logprobs[0] is None
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        [e[t] for e, t in zip(prompt_lp.prompt_logprobs[1:], ids[1:])], abs=1e-5)
+    two = client.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=4, n=2, temperature=1.0, seed=9)
+    assert [c.index for c in two.choices] == [0, 1] and all(c.text for c in two.choices)
     served.idle()
 
 
