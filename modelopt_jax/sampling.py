@@ -141,8 +141,9 @@ def _sample_row(logits, temperature, top_k, top_p, key):
     probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf))
     cum = jnp.cumsum(probs)
     # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
-    # (top_p 1 keeps everything: the float32 cumsum can reach 1.0 before the tail's last tokens)
-    keep_sorted = in_top_k & ((top_p >= 1) | ((cum - probs) < top_p))
+    # (top_p 1 keeps everything: the float32 cumsum can reach 1.0 before the tail's last tokens);
+    # the most likely token always stays (a top_p under float32's range arrives here as 0)
+    keep_sorted = in_top_k & ((top_p >= 1) | ((cum - probs) < top_p) | (jnp.arange(vocab) == 0))
     p_threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf))
     masked = jnp.where((scaled >= kth) & (scaled >= p_threshold), scaled, -jnp.inf)
     drawn = jax.random.categorical(key, masked)

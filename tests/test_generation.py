@@ -345,6 +345,7 @@ def test_seeded_sampling_reproduces_and_seeds_differ(bf16, sampling_prompt):
 def test_top_k_1_and_tiny_top_p_are_greedy(bf16, sampling_prompt, greedy16):
     assert run(bf16, sampling_prompt, temperature=1.0, top_k=1, seed=3) == greedy16
     assert run(bf16, sampling_prompt, temperature=1.0, top_p=1e-6, seed=3) == greedy16
+    assert run(bf16, sampling_prompt, temperature=1.0, top_p=1e-300, seed=3) == greedy16  # 0 in float32: top-1 stays
     assert run(bf16, sampling_prompt, temperature=1.0, seed=3) != greedy16  # temperature alone is not
 
 

@@ -147,6 +147,7 @@ def test_completion_equals_generate_and_streams_the_same_text(served, reference,
     chunks = _stream(served.client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     *deltas, last = chunks
     assert last["choices"] == [] and last["usage"] == got["usage"]
+    assert len(deltas) == got["usage"]["completion_tokens"]  # an event per token, its text possibly empty
     assert "".join(c["choices"][0]["text"] for c in deltas) == want.text
     assert [c["choices"][0]["finish_reason"] for c in deltas] == [None] * (len(deltas) - 1) + [want.finish_reason]
     assert len({c["id"] for c in chunks}) == 1

@@ -219,7 +219,8 @@ def chat_completion(model: str, choices: Choices, texts: TokenTexts, logprobs: i
 
 
 class CompletionChunks:
-    """The chunks of a streamed completion: one per delta that carries text, logprobs or an end.
+    """The chunks of a streamed completion: one per delta, so one per generated token (its text
+    may be empty: a byte-level token inside a multi-byte character), and the end.
     A stream's request i is choice i (streams never draw more samples than they return). With
     ``echo`` a choice's first chunk starts with its prompt (and the prompt's log-probs)."""
 
@@ -258,8 +259,8 @@ class CompletionChunks:
                                                       token_ids, entries or [])
         elif self.logprobs is not None and token_ids:
             lp, self.offsets[i] = completion_logprobs(self.texts, token_ids, entries, self.offsets[i])
-        if not text and lp is None and d.finish_reason is None:
-            return None
+        if not token_ids and not text and lp is None and d.finish_reason is None:
+            return None  # (score_only: the one dropped token; its finishing delta still sends the end)
         return {**self.head, "choices": [{"index": i, "text": text, "logprobs": lp,
                                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}
 
@@ -273,7 +274,8 @@ class CompletionChunks:
 
 
 class ChatChunks:
-    """The chunks of a streamed chat completion: each choice's assistant role first, then content deltas."""
+    """The chunks of a streamed chat completion: each choice's assistant role first, then one
+    content delta per generated token (possibly empty), and the end."""
 
     def __init__(self, model: str, n: int, texts: TokenTexts, logprobs: int | None, **_):
         self.head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
@@ -288,11 +290,11 @@ class ChatChunks:
         lp = None
         if self.logprobs is not None and d.token_ids:
             lp = {"content": chat_logprobs(self.texts, d.token_ids, d.logprobs, self.logprobs)}
-        if not d.text and lp is None and d.finish_reason is None:
+        if not d.token_ids and not d.text and lp is None and d.finish_reason is None:
             return []
-        return [{**self.head, "choices": [{"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                           "logprobs": lp, "finish_reason": d.finish_reason,
-                                           "stop_reason": d.stop_reason}]}]
+        delta = {"content": d.text} if d.text or d.token_ids else {}
+        return [{**self.head, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
+                                           "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]}]
 
     def usage(self, totals: dict) -> dict:
         return {**self.head, "choices": [], "usage": totals}
