@@ -47,3 +47,42 @@ def scan_path(request, monkeypatch):
     else:
         monkeypatch.setattr(finite_scan, "_native", lambda: None)
     return request.param
+
+
+def _weight_cache_leaks(started_before: int) -> list[str]:
+    """Removes and returns the /dev/shm segments of weight-cache daemons started since
+    ``started_before`` that have exited and left their segment behind."""
+    import weight_cache_helpers
+
+    leaked = []
+    for daemon in weight_cache_helpers.STARTED[started_before:]:
+        for name in daemon.leftovers():
+            leaked.append(name)
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+    return leaked
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_weight_cache_segment_outlives_its_module():
+    import weight_cache_helpers
+
+    before = len(weight_cache_helpers.STARTED)
+    yield
+    leaked = _weight_cache_leaks(before)
+    assert not leaked, f"weight-cache daemons of this module left shared memory behind: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def _no_weight_cache_segment_outlives_its_test():
+    """A test that starts a weight-cache daemon and ends it (stop, SIGTERM, or SIGKILL followed by
+    ``weight-cache stop``, as a user would clean up) leaves no /dev/shm segment behind; one that
+    does fails, and the segment is removed."""
+    import weight_cache_helpers
+
+    before = len(weight_cache_helpers.STARTED)
+    yield
+    leaked = _weight_cache_leaks(before)
+    assert not leaked, f"this test left weight-cache shared memory behind: {leaked}"

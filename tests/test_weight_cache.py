@@ -32,7 +32,7 @@ from modelopt_jax.errors import (UnsupportedForWeightCacheError, WeightCacheErro
                                  WeightCacheProtocolError)
 from modelopt_jax.synthetic import write_checkpoint
 from modelopt_jax.weight_cache import fingerprint, protocol
-from modelopt_jax.weight_cache.client import request
+from modelopt_jax.weight_cache.client import request, stop
 
 PROMPTS = ["It is a truth universally acknowledged", "The weight cache"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -388,6 +388,8 @@ def test_daemon_sigkilled_during_attach(tmp_path, monkeypatch):
     assert not isinstance(results["require"], WeightCacheNotServingError)  # the death is reported, not retried
     assert "closed the connection" in str(results["require"]) or "reset by peer" in str(results["require"])
     assert results["auto"] == "disk"
+    cleaned = stop(socket_dir=daemon.dir)  # what a user runs after a SIGKILL: the segment goes too
+    assert cleaned["stale"] and any(r.startswith("/dev/shm/mojwc_") for r in cleaned["removed"]), cleaned
 
 
 def test_sigkilled_daemon_auto_falls_back(tmp_path):

@@ -11,9 +11,11 @@ import threading
 import time
 
 from modelopt_jax.errors import WeightCacheError
+from modelopt_jax.weight_cache import paths
 from modelopt_jax.weight_cache.client import request
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+STARTED: list["DaemonProcess"] = []  # every daemon a test started (conftest checks what each left behind)
 
 
 class DaemonProcess:
@@ -31,6 +33,8 @@ class DaemonProcess:
                *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
+        self.segments: set[str] = set()  # host shared-memory segments it named (read from its lock file)
+        STARTED.append(self)
         # Drain the daemon's log as it comes: a pipe nobody reads fills at 64 KB, and a daemon that
         # logs (every refused or malformed request does) then blocks in write() and stops answering.
         self._log: list[str] = []
@@ -53,6 +57,7 @@ class DaemonProcess:
             try:
                 reply = request("status", socket_dir=self.dir, device=self.device, timeout=5)
                 if reply.get("pid") == self.proc.pid or (self.prefix and reply.get("ok")):
+                    self.note_segment()
                     return
             except WeightCacheError:
                 pass
@@ -81,6 +86,26 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.output()
+
+    def note_segment(self) -> None:
+        """Records the segment the daemon names in its lock file (a host store's; none for CUDA)."""
+        try:
+            fd = os.open(paths.lock_path(self.dir, self.device), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            name = paths.read_lock_info(fd).get("segment")
+        finally:
+            os.close(fd)
+        if isinstance(name, str) and name.startswith("mojwc_"):
+            self.segments.add(name)
+
+    def leftovers(self) -> list[str]:
+        """The segments of this daemon still in /dev/shm after it exited: a leak (a killed daemon's
+        is removed by ``weight-cache stop``, as a user would). Empty while it still runs."""
+        if self.proc.poll() is None:
+            return []
+        return sorted(name for name in self.segments if os.path.exists(f"/dev/shm/{name}"))
 
     def output(self) -> str:
         """The daemon's log so far (all of it once the process has exited)."""
