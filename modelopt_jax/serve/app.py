@@ -47,9 +47,15 @@ async def _body(request: Request):
             raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from None
+    except ValueError as e:  # e.g. an integer longer than Python's int parsing limit
+        raise ApiError(400, f"the request body holds a value that cannot be read: {e}", code="invalid_json") from None
+    protocol.check_strings(body)
+    return body
 
 
 async def _disconnected(receive) -> None:

@@ -92,6 +92,26 @@ _NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
             "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
+def check_strings(body: Any) -> None:
+    """Every string in ``body`` is valid Unicode text: JSON's ``\\ud800`` escapes can carry a lone
+    surrogate, which no tokenizer or UTF-8 encoder takes. A 400 naming the top-level field."""
+    stack = [(body, None)]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{field or 'the body'} holds a lone UTF-16 surrogate (not valid Unicode text)",
+                               param=field, code="invalid_text") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, field or key))
+                stack.append((item, field if field is not None else key))
+        elif isinstance(value, list):
+            stack.extend((item, field) for item in value)
+
+
 def _check_body(body: Any) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
