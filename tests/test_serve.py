@@ -249,6 +249,8 @@ def test_chat_completion_equals_llm_chat(served, reference):
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "narrator", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
     ("/v1/completions", b'{"prompt": "a \\ud800 b", "max_tokens": 2}', 400, "prompt"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),

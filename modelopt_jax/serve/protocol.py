@@ -190,6 +190,8 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         raise ApiError(400, f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
     if messages is not None and (not isinstance(messages, list) or not messages):
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    if messages is not None:
+        _check_roles(messages)
     return TokenizeRequest(model=_model(body), prompt=prompt, messages=messages,
                            add_special_tokens=_bool(body, "add_special_tokens", prompt is not None),
                            add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -275,6 +277,23 @@ def parse_completion(body: Any) -> ApiRequest:
                       n=params.n, echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+
+
+def _check_roles(messages: list) -> None:
+    """OpenAI's message rules the template would not enforce: a known role, and content present
+    except on an assistant message (which may carry tool calls instead). The rest (types, parts)
+    is checked when the conversation is rendered."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if isinstance(role, str) and role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}]['role']={role!r}: one of {', '.join(CHAT_ROLES)}", param="messages")
+        if role != "assistant" and m.get("content") is None:
+            raise ApiError(400, f"messages[{i}]['content'] is required for a {role!r} message", param="messages")
+
+
 def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     """A ``/v1/chat/completions`` body (the messages themselves are checked when rendered);
     ``max_tokens`` defaults to ``max_model_len`` (the engine caps it at what the context leaves; an
@@ -283,6 +302,7 @@ def parse_chat(body: Any, max_model_len: int) -> ApiRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", param="messages")
+    _check_roles(messages)
     _unsupported(body, ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                         "logit_bias", "tools", "functions", "tool_choice", "response_format",
                         "continue_final_message", "echo"))
