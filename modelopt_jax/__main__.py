@@ -71,6 +71,13 @@ def _generate(args) -> int:
     progress = _progress(args)
     llm = _load(args, args.model or modelopt_jax.demo_checkpoint_path(), progress)
     requests = llm.requests(prompts, params, detokenize=True)
+    for i, r in enumerate(requests):  # as the server answers: refused, not silently shortened
+        if r.budget < args.max_tokens:
+            from modelopt_jax.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"--max-tokens {args.max_tokens}: prompt {i} has {len(r.prompt_ids)} tokens and --max-model-len "
+                f"{llm.max_model_len} leaves room for {r.budget}; lower --max-tokens or raise --max-model-len")
     t0 = time.perf_counter()
     first_token_s = _stream_to_stdout(llm.engine, requests, prompts, args.logprobs is not None)
     total = time.perf_counter() - t0

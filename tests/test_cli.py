@@ -55,6 +55,14 @@ def test_generate_bad_input_is_a_clear_error():
     assert run.returncode == 2 and "max_tokens must be a positive integer" in run.stderr
 
 
+def test_generate_refuses_max_tokens_the_context_cannot_hold(capsys):
+    """--max-tokens beyond what --max-model-len leaves after the prompt is an error naming both (the
+    server's 400), not a silently shorter answer."""
+    assert main(["generate", "--prompt", "Emma", "--max-tokens", "5000", "--max-model-len", "64", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 5000" in err and "--max-model-len 64 leaves room for" in err
+
+
 def test_generate_several_prompts_with_logprobs(capsys):
     """--prompt and --ids repeat (one batch, outputs in order); --logprobs prints each token's entry."""
     assert main(["generate", "--prompt", "Mr. Darcy", "--prompt", "Emma", "--ids", "1,72,101", "--max-tokens", "3",
