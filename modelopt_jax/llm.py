@@ -238,6 +238,20 @@ class LLM:
         self.last_stats = self.engine.last_stats
         return outputs
 
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens (``bos_token``, ``eos_token``, ...) as strings: the tokenizer's
+        config where it names them, else the text of the config's BOS / first EOS id."""
+        from modelopt_jax.chat_template import special_tokens
+
+        out = special_tokens(self._tokenizer_dir)
+        if self.tokenizer is not None:
+            bos = self.model.config.bos_token_id
+            if "bos_token" not in out and bos is not None:
+                out["bos_token"] = self.tokenizer.decode([bos], skip_special_tokens=False)
+            if "eos_token" not in out and self.eos_token_ids:
+                out["eos_token"] = self.tokenizer.decode([min(self.eos_token_ids)], skip_special_tokens=False)
+        return out
+
     def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
         """The checkpoint's chat template (or ``chat_template``: source, a file or a name), compiled once."""
         if chat_template is not None and not isinstance(chat_template, str):

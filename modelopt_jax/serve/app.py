@@ -196,10 +196,10 @@ class OpenAIServer:
     async def tokenizer_info(self, request: Request) -> Response:
         """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does."""
         try:
-            template = self.llm.get_chat_template(self.chat_template)
-            source, special = template.source, template.special_tokens
+            source = self.llm.get_chat_template(self.chat_template).source
         except (ChatTemplateError, RequestError):
-            source, special = None, {}
+            source = None
+        special = self.llm.special_tokens()
         return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": self.llm.max_model_len,
                              "vocab_size": self.llm.model.config.vocab_size, "chat_template": source,
                              "bos_token_id": self.llm.model.config.bos_token_id,
