@@ -9,25 +9,21 @@ programs, and JAX's persistent compilation cache keeps them across processes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from modelopt_jax.chat_template import ChatTemplate, conversations
+from modelopt_jax.chat_template import ChatTemplate
 from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.demo import demo_checkpoint_path
-from modelopt_jax.detokenizer import IncrementalDetokenizer
 from modelopt_jax.engine import Engine, EngineConfig, RequestOutput
-from modelopt_jax.errors import (ArgumentTypeError, CheckpointError, ConfigError, InvalidArgumentError, RequestError,
-                                 RequestTypeError)
+from modelopt_jax.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, RequestTypeError
 from modelopt_jax.engine.request import Request
-from modelopt_jax.checkpoint.hf_config import eos_ids
 from modelopt_jax.loader import WeightCacheOptions, load
+from modelopt_jax.prompts import PromptProcessor
 from modelopt_jax.sampling import SamplingParams
 
 QUANTIZATIONS = ("modelopt", None)
@@ -101,10 +97,9 @@ class LLM:
             raise InvalidArgumentError(f"max_model_len={max_model_len!r} must be an integer in [2, {limit}] (the "
                                        f"model's max_position_embeddings), or None for min({limit}, 4096)")
         self.max_model_len = int(max_model_len)
-        tokenizer_path = self._tokenizer_path(tokenizer)
-        # chat templates and special tokens sit beside the tokenizer.json in use (tokenizer_config.json)
-        self._tokenizer_dir = os.path.dirname(tokenizer_path) if tokenizer_path is not None else self.path
-        self._chat_templates: dict[str | None, ChatTemplate] = {}
+        # the tokenizer and chat templates are checked before the weights load
+        self.prompts = PromptProcessor(self.path, ckpt.model_config, self.max_model_len, tokenizer)
+        self.tokenizer, self.eos_token_ids = self.prompts.tokenizer, self.prompts.eos_token_ids
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         if quantization == "modelopt":
             if not ckpt.quant_config.is_quantized:
@@ -121,8 +116,6 @@ class LLM:
                           weight_cache=WeightCacheOptions(weight_cache, None if weight_cache_dir is None else
                                                           os.fspath(weight_cache_dir), weight_cache_timeout))
         self.load_seconds = time.perf_counter() - t0
-        self.tokenizer = self._load_tokenizer(tokenizer_path)
-        self.eos_token_ids = eos_ids(self.path)
         self.engine = Engine(self.model, max_model_len=self.max_model_len, config=engine_config,
                              pad_id=self.model.config.pad_token_id or 0)
         self.last_stats: dict[str, float] = {}
@@ -132,71 +125,11 @@ class LLM:
         """What was asked for (``model.kv_cache`` says what it resolved to)."""
         return self.model.kv_cache.requested
 
-    def _tokenizer_path(self, tokenizer) -> str | None:
-        """The tokenizer.json to use: ``tokenizer=`` (a file or a directory holding one) must exist;
-        without it, the checkpoint's own, if it has one (else prompts must be token ids)."""
-        if tokenizer is None:
-            path = os.path.join(self.path, "tokenizer.json")
-            return path if os.path.isfile(path) else None
-        path = os.fspath(tokenizer)
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise InvalidArgumentError(f"tokenizer={os.fspath(tokenizer)!r}: no tokenizer.json there (pass the file "
-                                       f"or a directory holding it)")
-        return path
-
-    @staticmethod
-    def _load_tokenizer(path: str | None):
-        if path is None:
-            return None
-        from tokenizers import Tokenizer
-
-        try:
-            return Tokenizer.from_file(path)
-        except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
-            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from e
-
     # ---- request handling -----------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids as :meth:`generate` feeds them (with ``add_special_tokens``: the
         tokenizer's own special tokens, and the BOS where the tokenizer adds none)."""
-        if not isinstance(text, str):
-            raise RequestTypeError(f"tokenize: text must be a string, got {type(text).__name__}")
-        if not add_special_tokens:
-            if self.tokenizer is None:
-                raise RequestError(f"{self.path} has no tokenizer.json: pass LLM(..., tokenizer=...)")
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self._encode(0, text)[1]
-
-    def _encode(self, index: int, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-            keys = set(prompt)
-            if keys == {"prompt"}:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise RequestTypeError(f"prompt {index}: 'prompt' must be a string, got {type(prompt).__name__}")
-            elif keys == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-                if isinstance(prompt, str):
-                    raise RequestTypeError(f"prompt {index}: 'prompt_token_ids' must be a list of token ids, not a str")
-            else:
-                raise RequestError(f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
-                                   f"'prompt_token_ids' (ids); got keys {sorted(map(str, keys))}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"prompt {index} is text but {self.path} has no tokenizer.json: pass token-id "
-                                   f"lists, or LLM(..., tokenizer=...)")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
-            bos = self.model.config.bos_token_id
-            if bos is not None and ids and ids[0] != bos:
-                ids = [bos] + ids  # tokenizers that add no BOS themselves (e.g. the byte-level demo)
-            return prompt, ids
-        if isinstance(prompt, (list, tuple, np.ndarray)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise RequestTypeError(f"prompt {index} must be a string, a list of token ids or a dict with 'prompt' / "
-                               f"'prompt_token_ids', got {type(prompt).__name__}")
+        return self.prompts.tokenize(text, add_special_tokens=add_special_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, **unknown: Any) -> list[RequestOutput]:
@@ -239,113 +172,21 @@ class LLM:
         return outputs
 
     def special_tokens(self) -> dict[str, str]:
-        """The named special tokens (``bos_token``, ``eos_token``, ...) as strings: the tokenizer's
-        config where it names them, else the text of the config's BOS / first EOS id."""
-        from modelopt_jax.chat_template import special_tokens
-
-        out = special_tokens(self._tokenizer_dir)
-        if self.tokenizer is not None:
-            bos = self.model.config.bos_token_id
-            if "bos_token" not in out and bos is not None:
-                out["bos_token"] = self.tokenizer.decode([bos], skip_special_tokens=False)
-            if "eos_token" not in out and self.eos_token_ids:
-                out["eos_token"] = self.tokenizer.decode([min(self.eos_token_ids)], skip_special_tokens=False)
-        return out
+        """The named special tokens (``bos_token``, ``eos_token``, ...) as strings."""
+        return self.prompts.special_tokens()
 
     def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
         """The checkpoint's chat template (or ``chat_template``: source, a file or a name), compiled once."""
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise RequestTypeError(f"chat_template must be a string (Jinja source, a file or a template name), "
-                                   f"got {type(chat_template).__name__}")
-        if chat_template not in self._chat_templates:
-            self._chat_templates[chat_template] = ChatTemplate.from_checkpoint(self._tokenizer_dir, chat_template)
-        return self._chat_templates[chat_template]
+        return self.prompts.get_chat_template(chat_template)
 
     def chat_requests(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       chat_template: str | None = None, add_generation_prompt: bool = True,
                       detokenize: bool = False) -> list[Request]:
         """Validated engine requests for the conversations in ``messages`` (see :meth:`chat`), not run."""
-        if self.tokenizer is None:
-            raise RequestError(f"chat needs a tokenizer, and {self.path} has no tokenizer.json: pass "
-                               f"LLM(..., tokenizer=...)")
-        if not isinstance(add_generation_prompt, (bool, np.bool_)):
-            raise RequestTypeError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
-        convs, _ = conversations(messages)
-        template = self.get_chat_template(chat_template)
-        texts = [template.render(conv, add_generation_prompt=add_generation_prompt) for conv in convs]
-        ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
-        requests = self.requests([{"prompt_token_ids": i} for i in ids], sampling_params, detokenize=detokenize)
-        for request, text in zip(requests, texts):
-            request.prompt = text
-        return requests
+        return self.prompts.chat_requests(messages, sampling_params, chat_template=chat_template,
+                                          add_generation_prompt=add_generation_prompt, detokenize=detokenize)
 
     def requests(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  detokenize: bool = False) -> list[Request]:
-        """Validated engine requests for ``prompts`` (the forms :meth:`generate` takes), without running
-        them: for callers that drive :class:`~modelopt_jax.engine.Engine` step by step (the server).
-        ``detokenize`` gives every request an incremental detokenizer (``request.detokenizer``), so a
-        caller can stream its text; requests with stop strings always get one.
-        Raises what :meth:`generate` raises for bad input."""
-        # One prompt: a string, a dict, or a flat sequence of ids. A 1-D numpy array counts too
-        # (without this, a single array prompt was split into one-int "prompts" and failed).
-        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
-                                                      and isinstance(prompts[0], (int, np.integer)))
-        if not single and not isinstance(prompts, (list, tuple, np.ndarray)):
-            raise RequestTypeError(f"generate(prompts): a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = [prompts] if single else list(prompts)
-        if not prompts:
-            raise RequestError("generate(prompts): no prompts given")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise RequestTypeError(f"sampling_params{'' if len(params) == 1 else f'[{i}]'} must be a "
-                                       f"SamplingParams, got {type(p).__name__}")
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
-        vocab = self.model.config.vocab_size
-        for i, (_, ids) in enumerate(encoded):
-            if not ids:
-                raise RequestError(f"prompt {i} is empty (no tokens)")
-            if len(ids) >= self.max_model_len:
-                raise RequestError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                                   f"room to generate")
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise RequestError(f"prompt {i} has token ids outside [0, {vocab})")
-        for i, p in enumerate(params):
-            for name in ("logprobs", "prompt_logprobs"):
-                if (getattr(p, name) or 0) > vocab:
-                    raise RequestError(f"sampling_params: {name}={getattr(p, name)} exceeds the vocabulary ({vocab})")
-            if any(t >= vocab for t in p.stop_token_ids):
-                raise RequestError(f"sampling_params: stop_token_ids {list(p.stop_token_ids)} reach outside the "
-                                   f"vocabulary [0, {vocab})")
-            if p.stop and self.tokenizer is None:
-                raise RequestError(f"sampling_params: stop strings {list(p.stop)} need a tokenizer and {self.path} "
-                                   f"has none (use stop_token_ids, or LLM(..., tokenizer=...))")
-        return [request for i, ((text, ids), p) in enumerate(zip(encoded, params))
-                for request in self._samples(i, text, ids, p, detokenize)]
-
-    def _samples(self, index: int, text, ids: list[int], params: SamplingParams, detokenize: bool) -> list[Request]:
-        """The engine requests of one prompt: one per sample (``best_of`` or ``n``). Sample 0 draws
-        from the request's own key (as n = 1 does), sample s from that key folded with s; only
-        sample 0 computes the prompt's log-probs, so the others can start from its cached pages."""
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        # PRNGKey takes 32 bits with x64 off: fold the high bits in so large seeds stay distinct
-        key = jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
-        stop = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        budget = min(params.max_tokens, self.max_model_len - len(ids))
-        samples = []
-        for s in range(params.best_of or params.n):
-            sample_key = key if s == 0 else jax.random.fold_in(key, s)
-            detokenizer = None
-            if self.tokenizer is not None and (detokenize or params.stop):
-                detokenizer = IncrementalDetokenizer(self.tokenizer, stop=params.stop,
-                                                     include_stop_str_in_output=params.include_stop_str_in_output)
-            sample_params = params if s == 0 or params.prompt_logprobs is None else \
-                dataclasses.replace(params, prompt_logprobs=None)
-            raw = jax.random.key_data(sample_key) if jnp.issubdtype(sample_key.dtype, jax.dtypes.prng_key) \
-                else sample_key
-            samples.append(Request(index, text, ids, sample_params, stop, budget, np.asarray(raw, np.uint32),
-                                   detokenizer=detokenizer, sample_index=s))
-        return samples
+        """Validated engine requests for ``prompts`` (see :meth:`PromptProcessor.requests`), not run."""
+        return self.prompts.requests(prompts, sampling_params, detokenize=detokenize)

@@ -74,7 +74,7 @@ class _Served:
         """Waits until the engine holds no request and every page is back (scratch excepted)."""
         deadline = time.monotonic() + timeout
         while self.engine.has_work or self.engine.pool.free != self.engine.pool.num_pages - 1 or \
-                self.openai.engine._routes:
+                len(self.openai.engine.router):
             assert time.monotonic() < deadline, (self.engine.pool.free, self.engine.pool.num_pages)
             time.sleep(0.02)
 
@@ -442,7 +442,7 @@ def test_an_engine_failure_fails_the_pending_requests_with_500(served, monkeypat
         streamed = pool.submit(lambda: _stream(httpx.Client(base_url=served.url, timeout=60), "/v1/completions",
                                                body))
         deadline = time.monotonic() + 60
-        while not served.openai.engine._routes:  # the stream's request is in the engine: send the other
+        while not len(served.openai.engine.router):  # the stream's request is in the engine: send the other
             assert time.monotonic() < deadline
             time.sleep(0.005)
         whole = pool.submit(served.client.post, "/v1/completions", json=body)

@@ -170,6 +170,14 @@ class Engine:
         if request.finish_reason is None:
             request.finish_reason = "abort"
 
+    def gauges(self) -> dict[str, int | float]:
+        """What a server reports of the engine now: requests running and waiting, the fraction of
+        KV pages held (cached pages nobody holds count as free), and totals since start."""
+        return {"running": len(self._scheduler.running), "waiting": len(self._scheduler.waiting),
+                "kv_cache_usage": self.pool.held / max(self.pool.num_pages - 1, 1),
+                "prefix_cache_hit_tokens": self._scheduler.prefix_hit_tokens,
+                "preemptions": self._scheduler.preemptions}
+
     @property
     def has_work(self) -> bool:
         return not self._scheduler.done or self._inflight is not None

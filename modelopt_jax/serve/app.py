@@ -31,7 +31,8 @@ from starlette.routing import Route
 from modelopt_jax.errors import ChatTemplateError, InvalidArgumentError, RequestError
 from modelopt_jax.sampling import SamplingParams
 from modelopt_jax.serve import protocol, responses
-from modelopt_jax.serve.engine_thread import EngineFailure, EngineThread, Stream
+from modelopt_jax.serve.streams import EngineFailure, Stream
+from modelopt_jax.serve.engine_thread import EngineThread
 from modelopt_jax.serve.protocol import ApiError
 
 log = logging.getLogger(__name__)
@@ -99,31 +100,33 @@ class EventStream:
 
 
 class OpenAIServer:
-    """The routes over one :class:`~modelopt_jax.LLM`; ``served_model_names[0]`` is the name answers carry.
-
-    While the app runs, the LLM's engine belongs to the engine thread: calling ``llm.generate`` on
-    the same LLM meanwhile would step the engine from two threads (build another LLM for that).
+    """The routes over ``prompts`` (a :class:`~modelopt_jax.prompts.PromptProcessor`: tokenizer, chat
+    templates, request checks) and ``engine`` (an :class:`~.engine_thread.EngineThread` or a
+    :class:`~.core_client.CoreClient`: ``start``, ``stop``, ``alive``, ``submit``, ``gauges``);
+    ``served_model_names[0]`` is the name answers carry.
     """
 
-    def __init__(self, llm, served_model_names: list[str], *, chat_template: str | None = None, ready=None):
-        if llm.tokenizer is None:
-            raise InvalidArgumentError(f"serving needs a tokenizer and {llm.path} has no tokenizer.json: pass --tokenizer")
+    def __init__(self, prompts, engine, served_model_names: list[str], *, chat_template: str | None = None,
+                 ready=None):
+        if prompts.tokenizer is None:
+            raise InvalidArgumentError(f"serving needs a tokenizer and {prompts.path} has no tokenizer.json: "
+                                       f"pass --tokenizer")
         if not served_model_names:
             raise InvalidArgumentError("served_model_names: at least one name")
-        self.llm, self.names = llm, list(served_model_names)
+        self.prompts, self.names = prompts, list(served_model_names)
         self.chat_template = chat_template
         if chat_template is not None:
-            llm.get_chat_template(chat_template)  # a template that does not parse fails now, not per request
-        self.engine = EngineThread(llm.engine)
-        self.texts = responses.TokenTexts(llm.tokenizer)
+            prompts.get_chat_template(chat_template)  # a template that does not parse fails now, not per request
+        self.engine = engine
+        self.texts = responses.TokenTexts(prompts.tokenizer)
         self.created = int(time.time())
         self.ready = ready
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
         async def lifespan(app):
-            self.engine.start()
-            log.info("serving %s as %s", self.llm.path, self.names)
+            await run_in_threadpool(self.engine.start)
+            log.info("serving %s as %s", self.prompts.path, self.names)
             if self.ready is not None:
                 self.ready()
             try:
@@ -152,24 +155,23 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "modelopt_jax", "root": self.llm.path,
-             "max_model_len": self.llm.max_model_len} for name in self.names]})
+            {"id": name, "object": "model", "created": self.created, "owned_by": "modelopt_jax", "root": self.prompts.path,
+             "max_model_len": self.prompts.max_model_len} for name in self.names]})
 
     async def completions(self, request: Request) -> Response:
         api = protocol.parse_completion(await _body(request))
         model = self._model(api.model)
-        requests = await self._build("prompt", self.llm.requests, api.prompts, api.params, detokenize=True)
-        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
+        requests = await self._build("prompt", self.prompts.requests, api.prompts, api.params)
+        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.prompts.max_model_len)
         return await self._answer(request, api, requests, responses.CompletionChunks, responses.completion, model,
                                   echo=api.echo, score_only=api.score_only)
 
     async def chat_completions(self, request: Request) -> Response:
-        api = protocol.parse_chat(await _body(request), self.llm.max_model_len)
+        api = protocol.parse_chat(await _body(request), self.prompts.max_model_len)
         model = self._model(api.model)
-        requests = await self._build("messages", self.llm.chat_requests, api.messages, api.params,
-                                     chat_template=self.chat_template, add_generation_prompt=api.add_generation_prompt,
-                                     detokenize=True)
-        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.llm.max_model_len)
+        requests = await self._build("messages", self.prompts.chat_requests, api.messages, api.params,
+                                     chat_template=self.chat_template, add_generation_prompt=api.add_generation_prompt)
+        protocol.check_room(api, [len(r.prompt_ids) for r in requests], self.prompts.max_model_len)
         return await self._answer(request, api, requests, responses.ChatChunks, responses.chat_completion, model)
 
     async def tokenize(self, request: Request) -> Response:
@@ -177,33 +179,33 @@ class OpenAIServer:
         body = protocol.parse_tokenize(await _body(request))
         self._model(body.model)
         if body.prompt is not None:
-            ids = await self._build("prompt", self.llm.tokenize, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self._build("prompt", self.prompts.tokenize, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            requests = await self._build("messages", self.llm.chat_requests, body.messages, SamplingParams(max_tokens=1),
+            requests = await self._build("messages", self.prompts.chat_requests, body.messages, SamplingParams(max_tokens=1),
                                          chat_template=self.chat_template,
                                          add_generation_prompt=body.add_generation_prompt)
             ids = requests[0].prompt_ids
-        return JSONResponse({"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids,
+        return JSONResponse({"count": len(ids), "max_model_len": self.prompts.max_model_len, "tokens": ids,
                              "token_strs": [self.texts(t) for t in ids] if body.return_token_strs else None})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``POST /detokenize``: the text of token ids (special tokens included)."""
-        model, tokens = protocol.parse_detokenize(await _body(request), self.llm.model.config.vocab_size)
+        model, tokens = protocol.parse_detokenize(await _body(request), self.prompts.config.vocab_size)
         self._model(model)
-        text = await run_in_threadpool(self.llm.tokenizer.decode, tokens, skip_special_tokens=False)
+        text = await run_in_threadpool(self.prompts.tokenizer.decode, tokens, skip_special_tokens=False)
         return JSONResponse({"prompt": text})
 
     async def tokenizer_info(self, request: Request) -> Response:
         """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does."""
         try:
-            source = self.llm.get_chat_template(self.chat_template).source
+            source = self.prompts.get_chat_template(self.chat_template).source
         except (ChatTemplateError, RequestError):
             source = None
-        special = self.llm.special_tokens()
-        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": self.llm.max_model_len,
-                             "vocab_size": self.llm.model.config.vocab_size, "chat_template": source,
-                             "bos_token_id": self.llm.model.config.bos_token_id,
-                             "eos_token_ids": sorted(self.llm.eos_token_ids),
+        special = self.prompts.special_tokens()
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": self.prompts.max_model_len,
+                             "vocab_size": self.prompts.config.vocab_size, "chat_template": source,
+                             "bos_token_id": self.prompts.config.bos_token_id,
+                             "eos_token_ids": sorted(self.prompts.eos_token_ids),
                              **{name: value for name, value in special.items()}})
 
     # -- shared --------------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class OpenAIServer:
     def _prompts(self, requests, samples: int) -> list[responses.Prompt]:
         """One per prompt (its sample 0 among ``requests``): the text echoed, the ids scored."""
         return [responses.Prompt(r.prompt if isinstance(r.prompt, str) else
-                                 self.llm.tokenizer.decode(r.prompt_ids, skip_special_tokens=False), r.prompt_ids)
+                                 self.prompts.tokenizer.decode(r.prompt_ids, skip_special_tokens=False), r.prompt_ids)
                 for r in requests[::samples]]
 
     async def _answer(self, request: Request, api: protocol.ApiRequest, requests, chunks, whole, model: str, **shape):
@@ -288,8 +290,15 @@ async def _crash(request: Request, e: Exception) -> Response:
                         status_code=500)
 
 
-def build_app(llm, served_model_names: list[str], *, chat_template: str | None = None, ready=None) -> Starlette:
-    """The ASGI app serving ``llm`` under ``served_model_names``; chat uses ``chat_template`` (Jinja source,
-    a file or a template name) instead of the checkpoint's. Its engine thread starts with the app (then
-    ``ready()`` is called) and stops with it; ``app.state.server`` is the :class:`OpenAIServer`."""
-    return OpenAIServer(llm, served_model_names, chat_template=chat_template, ready=ready).app()
+def build_app(llm, served_model_names: list[str], *, chat_template: str | None = None, ready=None,
+              engine=None) -> Starlette:
+    """The ASGI app serving ``llm`` (an :class:`~modelopt_jax.LLM`, or a
+    :class:`~modelopt_jax.prompts.PromptProcessor` with ``engine`` given) under ``served_model_names``;
+    chat uses ``chat_template`` (Jinja source, a file or a template name) instead of the checkpoint's.
+    ``engine`` defaults to the LLM's engine on a thread of this process (while the app runs it owns
+    that engine: build another LLM to call ``generate`` meanwhile). The engine starts with the app
+    (then ``ready()`` is called) and stops with it; ``app.state.server`` is the :class:`OpenAIServer`."""
+    prompts = getattr(llm, "prompts", llm)
+    if engine is None:
+        engine = EngineThread(llm.engine, tokenizer=prompts.tokenizer, vocab_size=prompts.config.vocab_size)
+    return OpenAIServer(prompts, engine, served_model_names, chat_template=chat_template, ready=ready).app()

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 
-from modelopt_jax.serve.engine_thread import Delta
+from modelopt_jax.serve.streams import Delta
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,217 @@
+"""Prompts -> validated engine requests: the tokenizer, chat templates and the checks that need
+only the checkpoint's config, not its weights.
+
+One :class:`PromptProcessor` serves :class:`~modelopt_jax.LLM` (beside its engine) and the
+server's frontend process (which never loads the weights: the engine core does), so a prompt is
+tokenized, checked and split into samples the same way wherever it is generated from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from modelopt_jax.chat_template import ChatTemplate, conversations
+from modelopt_jax.checkpoint.hf_config import eos_ids
+from modelopt_jax.detokenizer import IncrementalDetokenizer
+from modelopt_jax.engine.request import Request
+from modelopt_jax.errors import CheckpointError, InvalidArgumentError, RequestError, RequestTypeError
+from modelopt_jax.sampling import SamplingParams
+
+
+class PromptProcessor:
+    """The request side of a checkpoint at ``path``: ``config`` is its model config (vocabulary,
+    BOS), ``max_model_len`` the bound on prompt + generated tokens, ``tokenizer`` a tokenizer.json
+    (a file or a directory holding one; None: the checkpoint's own, if it has one, else prompts
+    must be token ids)."""
+
+    def __init__(self, path: str, config, max_model_len: int, tokenizer: str | os.PathLike | None = None):
+        self.path, self.config, self.max_model_len = path, config, int(max_model_len)
+        tokenizer_path = self._tokenizer_path(tokenizer)
+        # chat templates and special tokens sit beside the tokenizer.json in use (tokenizer_config.json)
+        self._tokenizer_dir = os.path.dirname(tokenizer_path) if tokenizer_path is not None else self.path
+        self._chat_templates: dict[str | None, ChatTemplate] = {}
+        self.tokenizer = self._load_tokenizer(tokenizer_path)
+        self.eos_token_ids = eos_ids(self.path)
+
+    def _tokenizer_path(self, tokenizer) -> str | None:
+        """The tokenizer.json to use: ``tokenizer=`` (a file or a directory holding one) must exist;
+        without it, the checkpoint's own, if it has one (else prompts must be token ids)."""
+        if tokenizer is None:
+            path = os.path.join(self.path, "tokenizer.json")
+            return path if os.path.isfile(path) else None
+        path = os.fspath(tokenizer)
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise InvalidArgumentError(f"tokenizer={os.fspath(tokenizer)!r}: no tokenizer.json there (pass the file "
+                                       f"or a directory holding it)")
+        return path
+
+    @staticmethod
+    def _load_tokenizer(path: str | None):
+        if path is None:
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
+            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from e
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids as :meth:`generate` feeds them (with ``add_special_tokens``: the
+        tokenizer's own special tokens, and the BOS where the tokenizer adds none)."""
+        if not isinstance(text, str):
+            raise RequestTypeError(f"tokenize: text must be a string, got {type(text).__name__}")
+        if not add_special_tokens:
+            if self.tokenizer is None:
+                raise RequestError(f"{self.path} has no tokenizer.json: pass LLM(..., tokenizer=...)")
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(0, text)[1]
+
+    def _encode(self, index: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise RequestTypeError(f"prompt {index}: 'prompt' must be a string, got {type(prompt).__name__}")
+            elif keys == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise RequestTypeError(f"prompt {index}: 'prompt_token_ids' must be a list of token ids, not a str")
+            else:
+                raise RequestError(f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
+                                   f"'prompt_token_ids' (ids); got keys {sorted(map(str, keys))}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"prompt {index} is text but {self.path} has no tokenizer.json: pass token-id "
+                                   f"lists, or LLM(..., tokenizer=...)")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            bos = self.config.bos_token_id
+            if bos is not None and ids and ids[0] != bos:
+                ids = [bos] + ids  # tokenizers that add no BOS themselves (e.g. the byte-level demo)
+            return prompt, ids
+        if isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise RequestTypeError(f"prompt {index} must be a string, a list of token ids or a dict with 'prompt' / "
+                               f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens (``bos_token``, ``eos_token``, ...) as strings: the tokenizer's
+        config where it names them, else the text of the config's BOS / first EOS id."""
+        from modelopt_jax.chat_template import special_tokens
+
+        out = special_tokens(self._tokenizer_dir)
+        if self.tokenizer is not None:
+            bos = self.config.bos_token_id
+            if "bos_token" not in out and bos is not None:
+                out["bos_token"] = self.tokenizer.decode([bos], skip_special_tokens=False)
+            if "eos_token" not in out and self.eos_token_ids:
+                out["eos_token"] = self.tokenizer.decode([min(self.eos_token_ids)], skip_special_tokens=False)
+        return out
+
+    def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
+        """The checkpoint's chat template (or ``chat_template``: source, a file or a name), compiled once."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise RequestTypeError(f"chat_template must be a string (Jinja source, a file or a template name), "
+                                   f"got {type(chat_template).__name__}")
+        if chat_template not in self._chat_templates:
+            self._chat_templates[chat_template] = ChatTemplate.from_checkpoint(self._tokenizer_dir, chat_template)
+        return self._chat_templates[chat_template]
+
+    def chat_requests(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      chat_template: str | None = None, add_generation_prompt: bool = True,
+                      detokenize: bool = False) -> list[Request]:
+        """Validated engine requests for the conversations in ``messages`` (see :meth:`chat`), not run."""
+        if self.tokenizer is None:
+            raise RequestError(f"chat needs a tokenizer, and {self.path} has no tokenizer.json: pass "
+                               f"LLM(..., tokenizer=...)")
+        if not isinstance(add_generation_prompt, (bool, np.bool_)):
+            raise RequestTypeError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
+        convs, _ = conversations(messages)
+        template = self.get_chat_template(chat_template)
+        texts = [template.render(conv, add_generation_prompt=add_generation_prompt) for conv in convs]
+        ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        requests = self.requests([{"prompt_token_ids": i} for i in ids], sampling_params, detokenize=detokenize)
+        for request, text in zip(requests, texts):
+            request.prompt = text
+        return requests
+
+    def requests(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 detokenize: bool = False) -> list[Request]:
+        """Validated engine requests for ``prompts`` (the forms :meth:`generate` takes), without running
+        them: for callers that drive :class:`~modelopt_jax.engine.Engine` step by step (the server).
+        ``detokenize`` gives every request an incremental detokenizer (``request.detokenizer``), so a
+        caller can stream its text; requests with stop strings always get one.
+        Raises what :meth:`generate` raises for bad input."""
+        # One prompt: a string, a dict, or a flat sequence of ids. A 1-D numpy array counts too
+        # (without this, a single array prompt was split into one-int "prompts" and failed).
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple, np.ndarray)) and len(prompts) > 0
+                                                      and isinstance(prompts[0], (int, np.integer)))
+        if not single and not isinstance(prompts, (list, tuple, np.ndarray)):
+            raise RequestTypeError(f"generate(prompts): a prompt or a list of prompts, got {type(prompts).__name__}")
+        prompts = [prompts] if single else list(prompts)
+        if not prompts:
+            raise RequestError("generate(prompts): no prompts given")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise RequestTypeError(f"sampling_params{'' if len(params) == 1 else f'[{i}]'} must be a "
+                                       f"SamplingParams, got {type(p).__name__}")
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self._encode(i, p) for i, p in enumerate(prompts)]
+        vocab = self.config.vocab_size
+        for i, (_, ids) in enumerate(encoded):
+            if not ids:
+                raise RequestError(f"prompt {i} is empty (no tokens)")
+            if len(ids) >= self.max_model_len:
+                raise RequestError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                                   f"room to generate")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise RequestError(f"prompt {i} has token ids outside [0, {vocab})")
+        for i, p in enumerate(params):
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(p, name) or 0) > vocab:
+                    raise RequestError(f"sampling_params: {name}={getattr(p, name)} exceeds the vocabulary ({vocab})")
+            if any(t >= vocab for t in p.stop_token_ids):
+                raise RequestError(f"sampling_params: stop_token_ids {list(p.stop_token_ids)} reach outside the "
+                                   f"vocabulary [0, {vocab})")
+            if p.stop and self.tokenizer is None:
+                raise RequestError(f"sampling_params: stop strings {list(p.stop)} need a tokenizer and {self.path} "
+                                   f"has none (use stop_token_ids, or LLM(..., tokenizer=...))")
+        return [request for i, ((text, ids), p) in enumerate(zip(encoded, params))
+                for request in self._samples(i, text, ids, p, detokenize)]
+
+    def _samples(self, index: int, text, ids: list[int], params: SamplingParams, detokenize: bool) -> list[Request]:
+        """The engine requests of one prompt: one per sample (``best_of`` or ``n``). Sample 0 draws
+        from the request's own key (as n = 1 does), sample s from that key folded with s; only
+        sample 0 computes the prompt's log-probs, so the others can start from its cached pages."""
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        # PRNGKey takes 32 bits with x64 off: fold the high bits in so large seeds stay distinct
+        key = jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
+        stop = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        budget = min(params.max_tokens, self.max_model_len - len(ids))
+        samples = []
+        for s in range(params.best_of or params.n):
+            sample_key = key if s == 0 else jax.random.fold_in(key, s)
+            detokenizer = None
+            if self.tokenizer is not None and (detokenize or params.stop):
+                detokenizer = IncrementalDetokenizer(self.tokenizer, stop=params.stop,
+                                                     include_stop_str_in_output=params.include_stop_str_in_output)
+            sample_params = params if s == 0 or params.prompt_logprobs is None else \
+                dataclasses.replace(params, prompt_logprobs=None)
+            raw = jax.random.key_data(sample_key) if jnp.issubdtype(sample_key.dtype, jax.dtypes.prng_key) \
+                else sample_key
+            samples.append(Request(index, text, ids, sample_params, stop, budget, np.asarray(raw, np.uint32),
+                                   detokenizer=detokenizer, sample_index=s))
+        return samples
