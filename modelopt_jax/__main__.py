@@ -149,16 +149,58 @@ def _serve(args) -> int:
     from modelopt_jax.serve.server import bind, serve
 
     names = args.served_model_name or [args.model or DEMO_NAME]
+    path = args.model or modelopt_jax.demo_checkpoint_path()
     sock = bind(args.host, args.port)  # a taken port fails before the load
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    ready = f"serving {path} as {', '.join(names)} on {url}"  # stdout's first line: clients wait for it
     try:
-        llm = _load(args, args.model or modelopt_jax.demo_checkpoint_path(), _progress(args))
-        ready = f"serving {llm.path} as {', '.join(names)} on {url}"  # stdout's first line: clients wait for it
-        app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True))
-        serve(app, sock, log_level=args.log_level)
+        if args.in_process_engine:
+            llm = _load(args, path, _progress(args))
+            app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True))
+            serve(app, sock, log_level=args.log_level)
+            return 0
+        return _serve_with_core(args, path, names, sock, ready)
     finally:
         sock.close()
+
+
+def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int:
+    """The frontend here (HTTP, tokenization, text), the engine in a process of its own (see
+    modelopt_jax.serve.core): a step never waits for HTTP work, and HTTP never waits for a step."""
+    import signal
+
+    import jax
+
+    # The frontend only draws PRNG keys with JAX: it must not take the accelerator from the core.
+    jax.config.update("jax_platforms", "cpu")
+    from modelopt_jax.checkpoint import Checkpoint
+    from modelopt_jax.errors import EngineCoreError
+    from modelopt_jax.prompts import PromptProcessor, resolve_max_model_len
+    from modelopt_jax.serve.app import build_app
+    from modelopt_jax.serve.core_client import CoreClient
+    from modelopt_jax.serve.server import serve
+
+    config = Checkpoint.open(path).model_config
+    prompts = PromptProcessor(path, config, resolve_max_model_len(config, args.max_model_len), args.tokenizer)
+    options = dict(model=path, quantization=None if args.quantization == "auto" else args.quantization,
+                   dtype=args.dtype, max_model_len=prompts.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                   backend=args.backend, tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prefix_caching=not args.no_prefix_caching,
+                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
+                   quiet=args.quiet)
+    client = CoreClient(options, tokenizer=prompts.tokenizer,
+                        on_death=lambda reason: os.kill(os.getpid(), signal.SIGTERM))  # stop serving
+    try:
+        app = build_app(prompts, names, engine=client, chat_template=args.chat_template,
+                        ready=lambda: print(ready, flush=True))  # checks the template before the load
+        client.launch()
+        serve(app, sock, log_level=args.log_level)
+    finally:
+        client.stop()
+    if client.death is not None and client.death != "the server stopped":
+        raise EngineCoreError(f"{client.death}; the server stopped")
     return 0
 
 
@@ -261,6 +303,9 @@ def main(argv=None) -> int:
                    help="names clients may use as 'model' (the first one is reported; default: MODEL as given)")
     s.add_argument("--chat-template", help="Jinja file or source for /v1/chat/completions instead of the checkpoint's")
     _model_options(s)
+    s.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine on a thread of the server's process instead of a process of its own "
+                        "(slower under load: HTTP and text work share the step loop's interpreter)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--quiet", action="store_true", help="no inspect report or load progress on stderr")
     s.set_defaults(func=_serve)

@@ -118,3 +118,7 @@ class WeightCacheProtocolError(WeightCacheError):
 
 class UnsupportedForWeightCacheError(WeightCacheError, NotImplementedError):
     """The checkpoint's quantization cannot be served from processed buffers (e.g. FP8_PB_WO)."""
+
+
+class EngineCoreError(ModelOptJaxError, RuntimeError):
+    """The server's engine-core process could not start, or stopped (the reason names why)."""

@@ -14,7 +14,6 @@ import time
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 
 from modelopt_jax.chat_template import ChatTemplate
 from modelopt_jax.checkpoint import Checkpoint
@@ -23,7 +22,7 @@ from modelopt_jax.engine import Engine, EngineConfig, RequestOutput
 from modelopt_jax.errors import ArgumentTypeError, ConfigError, InvalidArgumentError, RequestTypeError
 from modelopt_jax.engine.request import Request
 from modelopt_jax.loader import WeightCacheOptions, load
-from modelopt_jax.prompts import PromptProcessor
+from modelopt_jax.prompts import PromptProcessor, resolve_max_model_len
 from modelopt_jax.sampling import SamplingParams
 
 QUANTIZATIONS = ("modelopt", None)
@@ -89,13 +88,7 @@ class LLM:
         self.path = os.fspath(model) if model is not None else demo_checkpoint_path()
         ckpt = Checkpoint.open(self.path)  # opened once: load() takes it from here
         # Arguments that only the config bounds are checked before the weights load.
-        limit = ckpt.model_config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, 4096)
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer)) or \
-                not 1 < max_model_len <= limit:
-            raise InvalidArgumentError(f"max_model_len={max_model_len!r} must be an integer in [2, {limit}] (the "
-                                       f"model's max_position_embeddings), or None for min({limit}, 4096)")
+        max_model_len = resolve_max_model_len(ckpt.model_config, max_model_len)
         self.max_model_len = int(max_model_len)
         # the tokenizer and chat templates are checked before the weights load
         self.prompts = PromptProcessor(self.path, ckpt.model_config, self.max_model_len, tokenizer)

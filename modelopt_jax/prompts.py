@@ -24,6 +24,18 @@ from modelopt_jax.errors import CheckpointError, InvalidArgumentError, RequestEr
 from modelopt_jax.sampling import SamplingParams
 
 
+def resolve_max_model_len(config, max_model_len: int | None) -> int:
+    """``max_model_len`` checked against the model's ``max_position_embeddings`` (None: that, at most 4096)."""
+    limit = config.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = min(limit, 4096)
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, (int, np.integer)) or \
+            not 1 < max_model_len <= limit:
+        raise InvalidArgumentError(f"max_model_len={max_model_len!r} must be an integer in [2, {limit}] (the "
+                                   f"model's max_position_embeddings), or None for min({limit}, 4096)")
+    return int(max_model_len)
+
+
 class PromptProcessor:
     """The request side of a checkpoint at ``path``: ``config`` is its model config (vocabulary,
     BOS), ``max_model_len`` the bound on prompt + generated tokens, ``tokenizer`` a tokenizer.json

@@ -84,7 +84,10 @@ def test_no_import_cycles():
 # response shapes are plain Python), jinja2 in the chat-template module.
 ONLY_IMPORTED_BY = {f"{PACKAGE}.serve": {f"{PACKAGE}.__main__"}}
 OPTIONAL_PACKAGES = {"starlette": {f"{PACKAGE}.serve.app"}, "fastapi": set(),
-                     "uvicorn": {f"{PACKAGE}.serve.server"}, "jinja2": {f"{PACKAGE}.chat_template"}}
+                     "uvicorn": {f"{PACKAGE}.serve.server"}, "jinja2": {f"{PACKAGE}.chat_template"},
+                     "zmq": {f"{PACKAGE}.serve.core", f"{PACKAGE}.serve.core_client"},
+                     "msgspec": {f"{PACKAGE}.serve.core_protocol"},
+                     "prometheus_client": {f"{PACKAGE}.serve.metrics"}}
 
 
 def _external_imports(path: pathlib.Path) -> set[str]:

@@ -1,7 +1,11 @@
 """``python -m modelopt_jax serve``: an OpenAI-compatible HTTP server on the generation engine.
 
 - :mod:`.protocol`: request bodies -> validated :class:`~modelopt_jax.SamplingParams` (or a 4xx naming the field);
-- :mod:`.engine_thread`: the thread that owns the engine, and the per-request streams of token deltas;
+- :mod:`.streams`: per-request streams of token deltas (text and stop strings are made here);
+- :mod:`.core_protocol`: the typed messages between the frontend and the engine core (msgspec);
+- :mod:`.core_loop`: the engine core's work (requests in, one step, outputs out), apart from transport;
+- :mod:`.core` / :mod:`.core_client`: the engine-core process and the frontend's handle on it (ZeroMQ);
+- :mod:`.engine_thread`: the same loop on a thread of this process (``build_app(llm)``);
 - :mod:`.responses`: the JSON of answers and stream chunks;
 - :mod:`.app`: the Starlette routes; :mod:`.server`: uvicorn on a bound socket.
 
@@ -19,7 +23,7 @@ EXTRA = "[serve]"
 def require() -> None:
     """Raises :class:`MissingDependencyError` naming the extra when the server's packages are missing."""
     missing = []
-    for module in ("starlette", "uvicorn", "jinja2"):
+    for module in ("starlette", "uvicorn", "jinja2", "zmq", "msgspec", "prometheus_client"):
         try:
             __import__(module)
         except ImportError:
