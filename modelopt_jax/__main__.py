@@ -148,6 +148,14 @@ def _serve(args) -> int:
     from modelopt_jax.serve.app import build_app
     from modelopt_jax.serve.server import bind, serve
 
+    from modelopt_jax.errors import InvalidArgumentError
+
+    for flag, value in (("--timeout-graceful-shutdown", args.timeout_graceful_shutdown),
+                        ("--timeout-request-head", args.timeout_request_head)):
+        if not 0 <= value < 1e6:
+            raise InvalidArgumentError(f"{flag} {value}: expected seconds in [0, 1e6)")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise InvalidArgumentError(f"--limit-concurrency {args.limit_concurrency}: expected a positive integer")
     names = args.served_model_name or [args.model or DEMO_NAME]
     path = args.model or modelopt_jax.demo_checkpoint_path()
     sock = bind(args.host, args.port)  # a taken port fails before the load
@@ -157,12 +165,19 @@ def _serve(args) -> int:
     try:
         if args.in_process_engine:
             llm = _load(args, path, _progress(args))
-            app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True))
-            serve(app, sock, log_level=args.log_level)
+            app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True),
+                            log_requests=not args.disable_log_requests)
+            serve(app, sock, **_serve_options(args))
             return 0
         return _serve_with_core(args, path, names, sock, ready)
     finally:
         sock.close()
+
+
+def _serve_options(args) -> dict:
+    return dict(log_level=args.log_level, access_log=not args.disable_log_requests,
+                grace=args.timeout_graceful_shutdown, header_timeout=args.timeout_request_head,
+                limit_concurrency=args.limit_concurrency)
 
 
 def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int:
@@ -194,9 +209,10 @@ def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int
                         on_death=lambda reason: os.kill(os.getpid(), signal.SIGTERM))  # stop serving
     try:
         app = build_app(prompts, names, engine=client, chat_template=args.chat_template,
-                        ready=lambda: print(ready, flush=True))  # checks the template before the load
+                        ready=lambda: print(ready, flush=True),  # checks the template before the load
+                        log_requests=not args.disable_log_requests)
         client.launch()
-        serve(app, sock, log_level=args.log_level)
+        serve(app, sock, **_serve_options(args))
     finally:
         client.stop()
     if client.death is not None and client.death != "the server stopped":
@@ -306,6 +322,17 @@ def main(argv=None) -> int:
     s.add_argument("--in-process-engine", action="store_true",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(slower under load: HTTP and text work share the step loop's interpreter)")
+    s.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
+                   help="SIGTERM / SIGINT: seconds running requests may take to finish; then each open stream "
+                        "ends with an error event and [DONE]")
+    s.add_argument("--timeout-request-head", type=float, default=10.0,
+                   help="seconds a connection has to send a whole request head (a trickling client is cut)")
+    s.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections held at most before new ones get 503 (default and ceiling: what the "
+                        "descriptor limit allows)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (default: an access line, and one per generation with its "
+                        "outcome, tokens and latencies)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--quiet", action="store_true", help="no inspect report or load progress on stderr")
     s.set_defaults(func=_serve)

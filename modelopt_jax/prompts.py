@@ -9,6 +9,7 @@ tokenized, checked and split into samples the same way wherever it is generated 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Sequence
 
@@ -76,6 +77,36 @@ class PromptProcessor:
         except Exception as e:  # the tokenizers library raises a bare Exception on a malformed file
             raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from e
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int | None:
+        """Characters of the longest token's text (None without a tokenizer). Read from the vocabulary's
+        own strings: byte-level vocabularies spell one character per byte, so this bounds characters too."""
+        if self.tokenizer is None:
+            return None
+        return max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt can have and still fit ``max_model_len`` tokens, so longer
+        ones are refused before tokenizing them (which can take minutes and gigabytes for megabytes of
+        text). Sound when every character becomes part of some token: a tokenizer that drops characters
+        (whitespace-splitting word vocabularies, normalizers that strip) could fit more, so for one
+        that drops any of a probe's characters there is no bound (None) and only the exact count decides."""
+        if self.tokenizer is None:
+            return None
+        probe = " " * 64 + "\t\n\r" * 8 + "\u200b\u00a0\u3000\x00\x7f" * 8 + "a " * 16 + "\ufeff" * 8
+        tokens = len(self.tokenizer.encode(probe, add_special_tokens=False).ids)
+        if tokens * self.longest_token_chars < len(probe):
+            return None
+        return self.max_model_len * self.longest_token_chars
+
+    def check_prompt_chars(self, what: str, text: str) -> None:
+        bound = self.max_prompt_chars
+        if bound is not None and len(text) > bound:
+            raise RequestError(f"{what} has {len(text)} characters: more than max_model_len={self.max_model_len} "
+                               f"tokens of at most {self.longest_token_chars} characters each can hold (refused "
+                               f"before tokenizing)")
+
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids as :meth:`generate` feeds them (with ``add_special_tokens``: the
         tokenizer's own special tokens, and the BOS where the tokenizer adds none)."""
@@ -105,6 +136,7 @@ class PromptProcessor:
             if self.tokenizer is None:
                 raise RequestError(f"prompt {index} is text but {self.path} has no tokenizer.json: pass token-id "
                                    f"lists, or LLM(..., tokenizer=...)")
+            self.check_prompt_chars(f"prompt {index}", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True).ids
             bos = self.config.bos_token_id
             if bos is not None and ids and ids[0] != bos:
@@ -151,6 +183,8 @@ class PromptProcessor:
         convs, _ = conversations(messages)
         template = self.get_chat_template(chat_template)
         texts = [template.render(conv, add_generation_prompt=add_generation_prompt) for conv in convs]
+        for i, text in enumerate(texts):
+            self.check_prompt_chars(f"conversation {i} (as the chat template renders it)", text)
         ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
         requests = self.requests([{"prompt_token_ids": i} for i in ids], sampling_params, detokenize=detokenize)
         for request, text in zip(requests, texts):

@@ -560,3 +560,68 @@ def test_serve_command_in_a_subprocess(reference, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _metrics(served) -> dict:
+    """/metrics as {(name, labels): value}, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = served.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_move_by_what_a_request_did(served, reference):
+    pytest.importorskip("prometheus_client")
+    served.idle()
+    before = _metrics(served)
+    prompt_ids = reference.tokenize(PROMPTS[2])
+    body = {"prompt": PROMPTS[2], "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    assert len(_stream(served.client, "/v1/completions", body)) >= 9  # one event per token
+    after = _metrics(served)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("modelopt_jax:prompt_tokens_total") == len(prompt_ids)
+    assert moved("modelopt_jax:generation_tokens_total") == 9
+    assert moved("modelopt_jax:request_success_total", finished_reason="length") == 1
+    assert moved("modelopt_jax:time_to_first_token_seconds_count") == 1
+    assert moved("modelopt_jax:e2e_request_latency_seconds_count") == 1
+    assert moved("modelopt_jax:inter_token_latency_seconds_count") == 8
+    assert moved("modelopt_jax:e2e_request_latency_seconds_sum") > 0
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[(f"modelopt_jax:{gauge}", ())] == 0  # the request is over
+    assert ("modelopt_jax:prefix_cache_hits_total", ()) in after
+
+
+def test_oversized_prompts_are_refused_before_tokenizing(served):
+    """8 MB of prompt is refused by the body limit (sized from max_model_len), a prompt under it but
+    longer than max_model_len tokens could hold by its character count; both in well under a second."""
+    big = "It is a truth universally acknowledged. " * ((8 << 20) // 40)
+    t0 = time.perf_counter()
+    r = served.client.post("/v1/completions", json={"prompt": big, "max_tokens": 4})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    assert time.perf_counter() - t0 < 1.0
+    limit = served.openai.max_body_bytes
+    assert limit < 8 << 20
+    t0 = time.perf_counter()
+    r = served.client.post("/v1/completions", json={"prompt": "x" * (limit // 4), "max_tokens": 4})
+    assert r.status_code == 400 and "refused before tokenizing" in r.json()["error"]["message"], r.text
+    r = served.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * (limit // 4)}],
+                                                          "max_tokens": 4})
+    assert r.status_code == 400 and "refused before tokenizing" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t0 < 2.0
+    assert served.client.get("/health").status_code == 200
+
+
+def test_a_body_that_never_arrives_is_a_408(served, monkeypatch):
+    monkeypatch.setattr(served.openai, "body_timeout", 0.5)
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        reply = s.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408") and "body_timeout" in reply, reply

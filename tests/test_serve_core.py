@@ -214,3 +214,87 @@ def test_a_core_that_cannot_load_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert run.returncode != 0
     assert "engine core could not load" in run.stderr and "kv_cache_memory_fraction" in run.stderr, run.stderr
+
+
+def _open_streams(url: str, count: int, max_tokens: int) -> tuple[list[threading.Thread], list[list[str]]]:
+    """``count`` streaming completions, returned once each has received its first event."""
+    logs: list[list[str]] = [[] for _ in range(count)]
+    started = [threading.Event() for _ in range(count)]
+
+    def stream(i: int):
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    logs[i].append(line)
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(60)
+    return threads, logs
+
+
+@pytest.mark.parametrize("grace", [0, 60])
+def test_sigterm_drains(grace):
+    """SIGTERM: running streams may finish within the grace period; past it each open stream ends
+    with an error event and [DONE], never a cut connection; the server exits 0 and so does its core."""
+    proc, url = _start("--timeout-graceful-shutdown", str(grace), max_model_len=512)
+    try:
+        (core,) = _children(proc.pid)
+        threads, logs = _open_streams(url, 3, 470)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive()
+        for lines in logs:
+            assert lines[-1] == "data: [DONE]"
+            last = json.loads(lines[-2][6:])
+            if grace:  # every request had the time to finish
+                assert last["choices"][0]["finish_reason"] == "length"
+                assert sum(1 for line in lines if '"text"' in line) >= 470
+            else:
+                assert "shutting down" in last["error"]["message"], last
+        assert proc.wait(timeout=120) == 0
+        assert _wait_gone(core, 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_idle_and_trickling_connections_are_bounded():
+    """Connections beyond --limit-concurrency get a 503 (so /health answers rather than the accept
+    failing), and connections that send no whole request head are closed at --timeout-request-head."""
+    import socket
+
+    proc, url = _start("--limit-concurrency", "6", "--timeout-request-head", "1")
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(6)]
+        time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/health").status_code == 503
+        t0 = time.monotonic()
+        idle[0].sendall(b"GET /health HTTP/1.1\r\n")  # a head that never ends: trickled, one byte at a time
+        for _ in range(20):
+            try:
+                idle[0].sendall(b"X")
+            except OSError:
+                break
+            time.sleep(0.1)
+        for s in idle:
+            s.settimeout(10)
+            try:
+                assert s.recv(1024) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert time.monotonic() - t0 < 5
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/health").status_code == 200
+    finally:
+        proc.kill()
+        proc.wait()
