@@ -92,7 +92,6 @@ class LLM:
         self.max_model_len = int(max_model_len)
         # the tokenizer and chat templates are checked before the weights load
         self.prompts = PromptProcessor(self.path, ckpt.model_config, self.max_model_len, tokenizer)
-        self.tokenizer, self.eos_token_ids = self.prompts.tokenizer, self.prompts.eos_token_ids
         self.compilation_cache_dir = enable_compilation_cache(compilation_cache_dir)
         if quantization == "modelopt":
             if not ckpt.quant_config.is_quantized:
@@ -112,6 +111,20 @@ class LLM:
         self.engine = Engine(self.model, max_model_len=self.max_model_len, config=engine_config,
                              pad_id=self.model.config.pad_token_id or 0)
         self.last_stats: dict[str, float] = {}
+
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` in use (None: prompts must be token ids)."""
+        return self.prompts.tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end generation unless ``ignore_eos`` (from generation_config.json / config.json)."""
+        return self.prompts.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.prompts.eos_token_ids = list(ids)
 
     @property
     def kv_cache_dtype(self) -> str:
