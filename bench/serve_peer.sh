@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On the H200: one OpenAI-compatible server on CKPT under vLLM's own load client (`vllm bench serve`, from the
+# vLLM 0.26.0 bundle unpacked into /tmp/vsite, see ../shared/tools/peer/README.md), a warm-up pass then the
+# reported pass; JSON and logs into $OUT.
+#   bash bench/serve_peer.sh SERVER CKPT WORKLOAD
+#     SERVER:   ours (python -m modelopt_jax serve: frontend + engine-core processes, every default)
+#               ours-thread (the same with --in-process-engine: the engine on a thread of the HTTP process)
+#               vllm (vllm serve --quantization modelopt, its defaults but prefix caching as below)
+#     WORKLOAD: random (500 requests, at most 200 in flight, input 64-1024 tokens, output 32-512; vLLM with
+#               prefix caching off, as the engines are compared without it)
+#               prefix (the same plus a 1500-token prefix shared by every request, a long system prompt;
+#               both servers with prefix caching on)
+# The checkpoint's files are linked into /tmp/ckt with .peer/tok's tokenizer (one word per id, so each
+# token is one text delta). N, C, IN, OUTLEN, R, PREFIX override the load.
+set -uo pipefail
+server=$1; ckpt=$2; workload=$3
+N=${N:-500}; C=${C:-200}; IN=${IN:-544}; OUTLEN=${OUTLEN:-272}; R=${R:-0.88}; OUT=${OUT:-/tmp/out}
+if [ "$workload" = prefix ]; then PREFIX=${PREFIX:-1500}; else PREFIX=0; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT" /tmp/ckt && rm -f /tmp/ckt/*
+for f in "$ckpt"/*; do ln -sf "$f" /tmp/ckt/; done
+rm -f /tmp/ckt/tokenizer.json /tmp/ckt/tokenizer_config.json /tmp/ckt/special_tokens_map.json
+cp "$root"/.peer/tok/*.json /tmp/ckt/
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+  PYTHONUNBUFFERED=1
+tag=${server}_${workload}
+case "$server" in
+  ours|ours-thread)
+    flags=(); [ "$server" = ours-thread ] && flags+=(--in-process-engine)
+    # /tmp/vsite after the project: the bundle's pyzmq, msgspec and prometheus_client serve ours too
+    PYTHONPATH=$root:/tmp/vsite XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 MODELOPT_JAX_NATIVE_DIR=$root/.native \
+      python3 -m modelopt_jax serve /tmp/ckt --port 8001 --served-model-name m --quiet --disable-log-requests \
+      "${flags[@]}" > "$OUT/server_$tag.log" 2>&1 & ;;
+  vllm)
+    flags=(); [ "$workload" = random ] && flags+=(--no-enable-prefix-caching)
+    PYTHONPATH=/tmp/vsite python3 -m vllm.entrypoints.cli.main serve /tmp/ckt --port 8001 --served-model-name m \
+      --quantization modelopt --max-model-len 4096 "${flags[@]}" \
+      > "$OUT/server_$tag.log" 2>&1 & ;;
+  *) echo "unknown server $server"; exit 2 ;;
+esac
+srv=$!
+t0=$(date +%s)
+for i in $(seq 1 300); do
+  python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8001/health', timeout=2)" 2>/dev/null && break
+  kill -0 "$srv" 2>/dev/null || { echo "$server exited"; tail -30 "$OUT/server_$tag.log"; exit 1; }
+  sleep 1
+done
+echo "$tag ready after $(( $(date +%s) - t0 )) s"
+for pass in warm run; do
+  PYTHONPATH=/tmp/vsite timeout 400 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm \
+    --base-url http://127.0.0.1:8001 --endpoint /v1/completions --model m --tokenizer /tmp/ckt --dataset-name random \
+    --random-input-len "$IN" --random-output-len "$OUTLEN" --random-range-ratio "$R" --random-prefix-len "$PREFIX" \
+    --num-prompts "$N" --max-concurrency "$C" --ignore-eos --seed 0 --temperature 0 \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$OUT" \
+    --result-filename "bench_${tag}_$pass.json" 2>&1 | tee "$OUT/bench_${tag}_$pass.log" \
+    | grep -E "throughput|TTFT|TPOT|ITL|E2EL" | grep -E "Request|Output|Median|P99"
+done
+kill -TERM "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+echo "$tag server exit status $?"
