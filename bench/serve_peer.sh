@@ -55,5 +55,6 @@ for pass in warm run; do
     --result-filename "bench_${tag}_$pass.json" 2>&1 | tee "$OUT/bench_${tag}_$pass.log" \
     | grep -E "throughput|TTFT|TPOT|ITL|E2EL" | grep -E "Request|Output|Median|P99"
 done
+case "$server" in ours*) python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8001/metrics', timeout=5).read().decode())" > "$OUT/metrics_$tag.txt" 2>&1 ;; esac
 kill -TERM "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 echo "$tag server exit status $?"

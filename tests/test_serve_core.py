@@ -90,7 +90,7 @@ def test_messages_round_trip_and_garbage_is_a_typed_error():
     for message in (core_protocol.Submit([request]), core_protocol.Abort([7, 8]), core_protocol.Shutdown("bye")):
         assert core_protocol.decode_to_core(core_protocol.encode(message)) == message
     out = core_protocol.StepOutputs([core_protocol.TokenOutput(7, [5], [-0.25], [{5: -0.25, 9: -1.5}], None, None)],
-                                    core_protocol.EngineGauges(1, 0, 0.5, 16, 0))
+                                    core_protocol.EngineGauges(1, 0, 0.5, 16, 0, 3, 1))
     assert core_protocol.decode_from_core(core_protocol.encode(out)) == out
     for garbage in (b"", b"\xff\x00junk", core_protocol.encode(out)):  # a StepOutputs is no message *to* the core
         with pytest.raises(core_protocol.IpcError, match="does not decode"):

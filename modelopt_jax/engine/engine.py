@@ -176,7 +176,8 @@ class Engine:
         return {"running": len(self._scheduler.running), "waiting": len(self._scheduler.waiting),
                 "kv_cache_usage": self.pool.held / max(self.pool.num_pages - 1, 1),
                 "prefix_cache_hit_tokens": self._scheduler.prefix_hit_tokens,
-                "preemptions": self._scheduler.preemptions}
+                "preemptions": self._scheduler.preemptions, "programs": len(self.runner.shapes),
+                "decodes_while_compiling": self._scheduler.decodes_while_compiling}
 
     @property
     def has_work(self) -> bool:

@@ -26,6 +26,7 @@ import time
 log = logging.getLogger("modelopt_jax.serve.core")
 
 PARENT_CHECK_S = 1.0   # how often the core looks for its frontend while busy
+REPORT_S = 10.0        # a log line of throughput and state this often while busy
 
 
 def _llm(options: dict):
@@ -78,7 +79,8 @@ def main(argv: list[str]) -> int:
                              max_model_len=llm.max_model_len)))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
-    checked = time.monotonic()
+    checked = reported = time.monotonic()
+    last_steps = last_tokens = 0
     try:
         while True:
             outputs = []
@@ -106,6 +108,13 @@ def main(argv: list[str]) -> int:
             if outputs:
                 outbox.send(encode(StepOutputs(outputs, core.gauges())))
             now = time.monotonic()
+            if now - reported >= REPORT_S and core.stats["steps"] != last_steps:
+                g, tokens = core.gauges(), core.stats["tokens"]
+                log.info("%.0f tokens/s over %.0f s; running %d, waiting %d, KV %.0f%%, %d programs compiled, "
+                         "%d steps deferred prompts for a compile, %d preempted", (tokens - last_tokens) / (now - reported),
+                         now - reported, g.running, g.waiting, 100 * g.kv_cache_usage, g.programs,
+                         g.decodes_while_compiling, g.preemptions)
+                reported, last_steps, last_tokens = now, core.stats["steps"], tokens
             if now - checked >= PARENT_CHECK_S:
                 checked = now
                 if os.getppid() != parent:

@@ -75,6 +75,8 @@ class EngineGauges(msgspec.Struct, array_like=True):
     kv_cache_usage: float           # fraction of KV pages held by requests (cached-but-free pages excluded)
     prefix_cache_hit_tokens: int    # prompt tokens taken from the prefix cache, since start
     preemptions: int                # since start
+    programs: int                   # step programs compiled, since start
+    decodes_while_compiling: int    # steps whose prompt chunks waited for their program to compile, since start
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
