@@ -30,6 +30,7 @@ pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
 from modelopt_jax.serve import core_protocol  # noqa: E402
+from modelopt_jax.serve.core_client import socket_base  # noqa: E402
 from modelopt_jax.serve.core_loop import CoreLoop  # noqa: E402
 from modelopt_jax.serve.streams import core_request  # noqa: E402
 
@@ -193,14 +194,15 @@ def test_a_killed_core_fails_the_open_streams_and_stops_the_server():
 
 
 def test_a_killed_frontend_takes_the_core_with_it():
-    before = set(glob.glob("/tmp/modelopt_jax-core-*"))
+    pattern = os.path.join(socket_base(), "modelopt_jax-core-*")
+    before = set(glob.glob(pattern))
     proc, url = _start()
     try:
         (core,) = _children(proc.pid)
         proc.kill()
         proc.wait()
         assert _wait_gone(core, 10), "the engine core outlived its frontend"
-        assert set(glob.glob("/tmp/modelopt_jax-core-*")) <= before  # its socket directory went with it
+        assert set(glob.glob(pattern)) <= before  # its socket directory went with it
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,13 @@ log = logging.getLogger(__name__)
 POLL_MS = 200   # how often the reader looks at the core process while no message arrives
 
 
+def socket_base() -> str:
+    """Where the socket directories go: the temp directory, unless its path is so long that a Unix
+    socket's (at most 107 bytes) would not fit, as under some sandboxes; then /tmp."""
+    base = tempfile.gettempdir()
+    return base if len(base) <= 60 or not os.path.isdir("/tmp") else "/tmp"
+
+
 class CoreClient:
     """The engine core as the app sees it (the same methods as :class:`~.engine_thread.EngineThread`).
 
@@ -53,7 +61,7 @@ class CoreClient:
         self._exit_expected = False               # the core was told to exit: its end is no death
         self._proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
-        self._dir = tempfile.mkdtemp(prefix="modelopt_jax-core-")  # mode 0700
+        self._dir = tempfile.mkdtemp(prefix="modelopt_jax-core-", dir=socket_base())  # mode 0700
         self._context = zmq.Context()
         self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
         for sock in (self._to_core, self._from_core):
