@@ -70,9 +70,11 @@ def local_ranks(mesh: Mesh | None) -> list[tuple[int, jax.Device | None]]:
 
 def check_divisible(config: ModelConfig, tp: int, where: str) -> None:
     """Raises ConfigError naming what ``tp`` does not divide (each device needs whole heads)."""
-    bad = [f"{name} {value}" for name, value in (("num_attention_heads", config.num_attention_heads),
-                                                 ("num_key_value_heads", config.num_key_value_heads),
-                                                 ("intermediate_size", config.intermediate_size)) if value % tp]
+    sizes = [("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads),
+             ("intermediate_size", config.intermediate_size)]
+    if config.moe is not None:  # every expert's width is split like a dense MLP's
+        sizes.append(("the experts' intermediate size", config.moe.intermediate_size))
+    bad = [f"{name} {value}" for name, value in sizes if value % tp]
     if bad:
         raise ConfigError(f"{where}: tensor parallel size {tp} does not divide {', '.join(bad)} "
                           f"(each device needs whole heads and an equal MLP slice)")
@@ -82,9 +84,10 @@ def local_config(config: ModelConfig, tp: int) -> ModelConfig:
     """One device's view of the architecture (heads and MLP width divided by ``tp``)."""
     if tp == 1:
         return config
+    moe = config.moe and dataclasses.replace(config.moe, intermediate_size=config.moe.intermediate_size // tp)
     return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tp,
                                num_key_value_heads=config.num_key_value_heads // tp,
-                               intermediate_size=config.intermediate_size // tp)
+                               intermediate_size=config.intermediate_size // tp, moe=moe)
 
 
 def spec_of(variable: nnx.Variable) -> P:

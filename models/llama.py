@@ -1,10 +1,13 @@
-"""Llama-family decoder (Llama-2/3, Qwen2) as Flax NNX modules.
+"""The decoder of every supported family (Llama-2/3, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral) as
+Flax NNX modules.
 
 The architecture declares its weights (:func:`weight_specs`: checkpoint names, sizes, fusing and
 each dense layer's tensor-parallel role) and builds its skeleton from a plan (:func:`build`, run
 under ``nnx.eval_shape``); it knows nothing about quantization, files or devices. q/k/v and
-gate/up are fused into one layer each (one GEMM each); Qwen2 differs from Llama only by its q/k/v
-bias, which the config carries.
+gate/up are fused into one layer each (one GEMM each). The families differ by options the config
+carries, not by copies of this code: Qwen2's q/k/v bias, Qwen3's q/k RMSNorm (``qk_norm``),
+Mistral's sliding window, and the mixture-of-experts block (:mod:`modelopt_jax.models.moe`) a
+decoder layer holds instead of its MLP.
 
 ``model(input_ids)`` is the cache-less forward: logits for every position with a causal mask.
 Keys and values pass through the model's KV-cache spec there too (for an FP8 cache: rounded to its
@@ -30,6 +33,7 @@ from modelopt_jax import parallel
 from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
 from modelopt_jax.layers import Embedding, RMSNorm
+from modelopt_jax.models.moe import Router, SparseMoE
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 from modelopt_jax.ops.attention import causal_attention, step_attention
 from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, dense_rows_step
@@ -46,10 +50,22 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+def window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
+    """True where a key is inside the query's sliding window (``q - k < window``; all True without one).
+    Broadcasts: ``query_positions`` [..., Tq, 1] against ``key_positions`` [..., S]."""
+    if window is None:
+        return jnp.ones(jnp.broadcast_shapes(query_positions.shape, key_positions.shape), bool)
+    return query_positions - key_positions < window
+
+
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, qkv: nnx.Module, o_proj: nnx.Module, kv: LayerKVSpec, *, dtype):
+    def __init__(self, config: ModelConfig, qkv: nnx.Module, o_proj: nnx.Module, kv: LayerKVSpec, *, dtype,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         self.qkv = qkv
         self.o_proj = o_proj
+        self.q_norm = q_norm  # Qwen3: RMSNorm over head_dim of every q head (None: none)
+        self.k_norm = k_norm
+        self.sliding_window = config.sliding_window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -65,6 +81,8 @@ class Attention(nnx.Module):
         q = qkv[..., :q_size].reshape(b, t, self.num_heads, self.head_dim)
         k = qkv[..., q_size:q_size + kv_size].reshape(b, t, self.num_kv_heads, self.head_dim)
         v = qkv[..., q_size + kv_size:].reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
@@ -87,7 +105,9 @@ class Attention(nnx.Module):
         rows = jnp.arange(x.shape[0])[:, None]
         keys, values = keys.write(rows, positions, k), values.write(rows, positions, v)
         max_len = keys.shape[1]
-        mask = (jnp.arange(max_len)[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,T,S]
+        key_pos = jnp.arange(max_len)[None, None, :]
+        mask = ((key_pos <= positions[:, :, None]) & window_mask(positions[:, :, None], key_pos,
+                                                                 self.sliding_window))[:, None]  # [B,1,T,S]
         out = causal_attention(q, keys.read(self.dtype), values.read(self.dtype), mask)
         return self.o_proj(out), keys, values
 
@@ -121,7 +141,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, input_norm: RMSNorm, attn: Attention, post_attn_norm: RMSNorm, mlp: MLP):
+    def __init__(self, input_norm: RMSNorm, attn: Attention, post_attn_norm: RMSNorm, mlp: MLP | SparseMoE):
         self.input_layernorm = input_norm
         self.self_attn = attn
         self.post_attention_layernorm = post_attn_norm
@@ -199,6 +219,8 @@ class CausalLM(nnx.Module):
     def _forward(self, input_ids, positions, attention_mask):
         t = input_ids.shape[1]
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None] & attention_mask.astype(bool)[:, None, None, :]
+        if self.config.sliding_window is not None:
+            mask = mask & window_mask(positions[:, :, None], positions[:, None, :], self.config.sliding_window)[:, None]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, mask)
@@ -259,7 +281,8 @@ class CausalLM(nnx.Module):
         local_kv = self.config.num_key_value_heads // self.tensor_parallel_size
         return AttentionConfig.resolve(num_heads=local_heads, num_kv_heads=local_kv, head_dim=self.config.head_dim,
                                        pool_dtype=kv.dtype, compute_dtype=self.dtype, page_size=page_size,
-                                       platform=device.platform, **overrides)
+                                       platform=device.platform, sliding_window=self.config.sliding_window,
+                                       **overrides)
 
     def forward_step(self, cache: PagedKVCache, step: PagedStep, *, all_logits: bool = False):
         """The engine's forward: one :class:`PagedStep` over the page pool -> ``(logits, cache)``.
@@ -322,16 +345,44 @@ def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec
             LinearSpec(f"{m}.self_attn.qkv", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"), h,
                        (config.q_size, kv, kv), config.attention_bias, COLUMN),
             LinearSpec(f"{m}.self_attn.o_proj", (f"{attn}.o_proj",), config.q_size, (h,), config.o_proj_bias, ROW),
-            LinearSpec(f"{m}.mlp.gate_up", (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), h,
-                       (config.intermediate_size,) * 2, config.mlp_bias, COLUMN),
-            LinearSpec(f"{m}.mlp.down", (f"{p}.mlp.down_proj",), config.intermediate_size, (h,), config.mlp_bias, ROW),
         ]
+        if config.qk_norm:
+            tensors += [TensorSpec(f"{m}.self_attn.{n}.weight", f"{attn}.{n}.weight", (config.head_dim,))
+                        for n in ("q_norm", "k_norm")]
+        if config.moe is not None and config.moe.is_sparse(i):
+            lin, ten = moe_specs(config, i)
+            linears += lin
+            tensors += ten
+        else:
+            linears += [
+                LinearSpec(f"{m}.mlp.gate_up", (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), h,
+                           (config.intermediate_size,) * 2, config.mlp_bias, COLUMN),
+                LinearSpec(f"{m}.mlp.down", (f"{p}.mlp.down_proj",), config.intermediate_size, (h,), config.mlp_bias,
+                           ROW),
+            ]
         tensors += [TensorSpec(f"{m}.input_layernorm.weight", f"{p}.input_layernorm.weight", (h,)),
                     TensorSpec(f"{m}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (h,))]
     tensors.append(TensorSpec("norm.weight", "model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         linears.append(LinearSpec("lm_head", ("lm_head",), h, (config.vocab_size,), False, REPLICATED, "float32"))
     return linears, tensors, attention
+
+
+def moe_specs(config: ModelConfig, layer: int) -> tuple[list[LinearSpec], list[TensorSpec]]:
+    """A sparse layer's experts (gate/up fused per expert, one GEMM each; tensor parallelism splits
+    every expert's intermediate width like a dense MLP's) and its router (read as is, replicated)."""
+    from modelopt_jax.checkpoint.hf_config import MOE_LAYOUTS
+
+    moe, h = config.moe, config.hidden_size
+    block, router, (gate, up, down) = MOE_LAYOUTS[moe.layout]
+    p, m = f"model.layers.{layer}.{block}", f"layers.{layer}.mlp"
+    linears = []
+    for e in range(moe.num_experts):
+        x = f"{p}.experts.{e}"
+        linears += [LinearSpec(f"{m}.experts.{e}.gate_up", (f"{x}.{gate}", f"{x}.{up}"), h,
+                               (moe.intermediate_size,) * 2, False, COLUMN),
+                    LinearSpec(f"{m}.experts.{e}.down", (f"{x}.{down}",), moe.intermediate_size, (h,), False, ROW)]
+    return linears, [TensorSpec(f"{m}.router.weight", f"{p}.{router}.weight", (moe.num_experts, h))]
 
 
 def build(config: ModelConfig, plan: ModelPlan, *, kv_cache: KVCacheSpec, mesh=None,
@@ -357,9 +408,18 @@ def build(config: ModelConfig, plan: ModelPlan, *, kv_cache: KVCacheSpec, mesh=N
     layers = []
     for i in range(config.num_hidden_layers):
         m = f"layers.{i}"
+        qk = ({"q_norm": norm(f"{m}.self_attn.q_norm.weight"), "k_norm": norm(f"{m}.self_attn.k_norm.weight")}
+              if config.qk_norm else {})
         attn = Attention(local, linear(f"{m}.self_attn.qkv"), linear(f"{m}.self_attn.o_proj"), kv_cache.layers[i],
-                         dtype=dtype)
-        mlp = MLP(linear(f"{m}.mlp.gate_up"), linear(f"{m}.mlp.down"), local.intermediate_size, dtype=dtype)
+                         dtype=dtype, **qk)
+        if config.moe is not None and config.moe.is_sparse(i):
+            moe = local.moe
+            experts = [MLP(linear(f"{m}.mlp.experts.{e}.gate_up"), linear(f"{m}.mlp.experts.{e}.down"),
+                           moe.intermediate_size, dtype=dtype) for e in range(moe.num_experts)]
+            mlp = SparseMoE(Router(plan.tensor(f"{m}.mlp.router.weight")), experts, top_k=moe.top_k,
+                            normalize=moe.normalize_top_k, dtype=dtype)
+        else:
+            mlp = MLP(linear(f"{m}.mlp.gate_up"), linear(f"{m}.mlp.down"), local.intermediate_size, dtype=dtype)
         layers.append(DecoderLayer(norm(f"{m}.input_layernorm.weight"), attn,
                                    norm(f"{m}.post_attention_layernorm.weight"), mlp))
     embed = Embedding(plan.tensor("embed_tokens.table"), dtype=dtype)

@@ -68,6 +68,8 @@ class Reference:
         # these elements round to the other neighbouring FP8 code (applies to every row forwarded).
         self.flips: set[tuple[str, int, int]] = set()
         self._float64: dict[str, np.ndarray] = {}
+        # MoE: (layer, row) -> the expert ids each token of the row picked [T, k], in order of weight
+        self.routes: dict[tuple[int, int], np.ndarray] = {}
 
     def w(self, name):
         """A stored tensor as float64 (FP8 weights as their raw codes); cached."""
@@ -126,12 +128,53 @@ class Reference:
         rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
         return x * cos[:, None] + rot * sin[:, None]
 
+    def mlp(self, h, p):
+        g, u = self.linear(h, p + ".gate_proj"), self.linear(h, p + ".up_proj")
+        return self.linear(g / (1 + np.exp(-g)) * u, p + ".down_proj")
+
+    def sparse_layer(self, i: int) -> bool:
+        c = self.cfg
+        if c["model_type"] == "mixtral":
+            return True
+        if c["model_type"] != "qwen3_moe":
+            return False
+        return i not in (c.get("mlp_only_layers") or []) and (i + 1) % (c.get("decoder_sparse_step") or 1) == 0
+
+    def moe(self, h, i: int, row: int):
+        """transformers' routing in float64: softmax, top-k (ties: lower id), renormalise; experts summed
+        in ascending id order (so is the JAX model's)."""
+        c = self.cfg
+        mixtral = c["model_type"] == "mixtral"
+        block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj",
+                                                                                         "down_proj"))
+        p = f"model.layers.{i}.{block}"
+        logits = h @ self.w(p + ".gate.weight").T
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        k = c["num_experts_per_tok"]
+        picked = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(probs, picked, -1)
+        if mixtral or c.get("norm_topk_prob"):
+            weights /= weights.sum(-1, keepdims=True)
+        self.routes[(i, row)] = picked
+        out = np.zeros_like(h)
+        for e in range(probs.shape[-1]):
+            tokens = np.nonzero((picked == e).any(-1))[0]
+            if len(tokens) == 0:
+                continue
+            x = f"{p}.experts.{e}"
+            g, u = self.linear(h[tokens], f"{x}.{names[0]}"), self.linear(h[tokens], f"{x}.{names[1]}")
+            y = self.linear(g / (1 + np.exp(-g)) * u, f"{x}.{names[2]}")
+            out[tokens] += y * weights[tokens][picked[tokens] == e][:, None]
+        return out
+
     def forward(self, ids: np.ndarray) -> np.ndarray:
         c = self.cfg
         H, KV = c["num_attention_heads"], c["num_key_value_heads"]
         D = c.get("head_dim") or c["hidden_size"] // H
+        window = c.get("sliding_window") if c["model_type"] in ("mistral", "mixtral") else None
         outs = []
-        for row in np.asarray(ids):
+        for r, row in enumerate(np.asarray(ids)):
             T = len(row)
             pos = np.arange(T, dtype=np.float64)
             x = self.w("model.embed_tokens.weight")[row]
@@ -141,6 +184,8 @@ class Reference:
                 q = self.linear(h, p + ".self_attn.q_proj").reshape(T, H, D)
                 k = self.linear(h, p + ".self_attn.k_proj").reshape(T, KV, D)
                 v = self.linear(h, p + ".self_attn.v_proj").reshape(T, KV, D)
+                if p + ".self_attn.q_norm.weight" in self.t:  # Qwen3
+                    q, k = self.norm(q, p + ".self_attn.q_norm"), self.norm(k, p + ".self_attn.k_norm")
                 q, k = self.rope(q, pos), self.rope(k, pos)
                 if self.kv:
                     ks = float(self.t[p + ".self_attn.k_proj.k_scale"])
@@ -149,13 +194,15 @@ class Reference:
                     v = self.quantize(p + ".v_cache", v / vs) * vs
                 k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
                 s = np.einsum("thd,shd->hts", q, k) / math.sqrt(D)
-                s = np.where(np.tril(np.ones((T, T), bool))[None], s, -np.inf)
+                visible = np.tril(np.ones((T, T), bool))
+                if window is not None:
+                    visible &= np.subtract.outer(np.arange(T), np.arange(T)) < window
+                s = np.where(visible[None], s, -np.inf)
                 s = np.exp(s - s.max(-1, keepdims=True))
                 a = np.einsum("hts,shd->thd", s / s.sum(-1, keepdims=True), v).reshape(T, H * D)
                 x = x + self.linear(a, p + ".self_attn.o_proj")
                 h = self.norm(x, p + ".post_attention_layernorm")
-                g, u = self.linear(h, p + ".mlp.gate_proj"), self.linear(h, p + ".mlp.up_proj")
-                x = x + self.linear(g / (1 + np.exp(-g)) * u, p + ".mlp.down_proj")
+                x = x + (self.moe(h, i, r) if self.sparse_layer(i) else self.mlp(h, p + ".mlp"))
             x = self.norm(x, "model.norm")
             head = "lm_head.weight" if "lm_head.weight" in self.t else "model.embed_tokens.weight"
             outs.append(x @ self.w(head).T)

@@ -1,7 +1,9 @@
 """The model's architecture, read from a Hugging Face ``config.json``.
 
-Only what the Llama/Qwen2 decoders need is kept, in a frozen dataclass, so models never touch the
-raw JSON. Older (``rope_theta`` + ``rope_scaling``) and newer (``rope_parameters``) transformers
+Only what the decoders need is kept, in a frozen dataclass, so models never touch the raw JSON.
+The families differ by options of one decoder: Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm,
+Mistral's sliding window, and a mixture-of-experts block (:class:`MoEConfig`) in place of the MLP
+for Qwen3-MoE and Mixtral. Older (``rope_theta`` + ``rope_scaling``) and newer (``rope_parameters``) transformers
 spellings of RoPE are both accepted.
 """
 
@@ -22,6 +24,16 @@ CONFIG_FILE = "config.json"
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# Where each MoE family's checkpoint keeps a sparse layer's router and experts (as ModelOpt exports
+# them, hub names): block prefix under model.layers.L, router, then (gate, up, down) per expert.
+MOE_LAYOUTS = {
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -37,10 +49,27 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture hyper-parameters of a Llama/Qwen2-family decoder."""
+class MoEConfig:
+    """The mixture-of-experts block of Qwen3-MoE and Mixtral (the router picks ``top_k`` experts per token)."""
 
-    family: str  # "llama" | "qwen2"
+    num_experts: int                  # experts per sparse layer
+    top_k: int                        # experts each token is routed to (num_experts_per_tok)
+    intermediate_size: int            # each expert's SwiGLU width (Qwen3-MoE: moe_intermediate_size)
+    normalize_top_k: bool             # renormalise the top-k router probabilities to sum to 1
+    layout: str                       # MOE_LAYOUTS key: where the checkpoint keeps router and experts
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers: layers with a dense MLP instead
+    sparse_step: int = 1              # Qwen3-MoE decoder_sparse_step: layer i is sparse when (i + 1) % step == 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` holds the MoE block (else a dense MLP of intermediate_size)."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder of one of the supported families."""
+
+    family: str  # ARCHITECTURES value: "llama" | "qwen2" | "qwen3" | "mistral" | "qwen3_moe" | "mixtral"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -56,6 +85,9 @@ class ModelConfig:
     attention_bias: bool  # q/k/v (Qwen2: always True)
     o_proj_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False                 # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE
+    sliding_window: int | None = None     # query i attends key j only when i - j < sliding_window
+    moe: MoEConfig | None = None          # None: every layer has a dense MLP
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -149,8 +181,9 @@ def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
                 f"{path}: architectures {archs} (model_type {model_type!r}) not supported; "
                 f"supported: {', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
-    if family == "qwen2" and raw.get("use_sliding_window"):
-        raise UnsupportedModelError(f"{path}: Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
+        # Qwen's window applies only to layers from max_window_layers on: not implemented
+        raise UnsupportedModelError(f"{path}: Qwen sliding-window attention (use_sliding_window=true) is not supported")
     n_heads = _positive_int(raw, "num_attention_heads", path)
     # Optional keys (null or absent means the default, as in transformers) are still type-checked:
     # a string here would otherwise surface as a TypeError deep inside the arithmetic below.
@@ -163,23 +196,55 @@ def parse_model_config(raw: dict[str, Any], path: str) -> ModelConfig:
         raise UnsupportedModelError(f"{path}: hidden_act {raw.get('hidden_act')!r} not supported (expected 'silu')")
     if head_dim % 2:
         raise ConfigError(f"{path}: head_dim {head_dim} must be even for RoPE")
-    qkv_bias = True if family == "qwen2" else bool(raw.get("attention_bias", False))
+    # Qwen2 always has a q/k/v bias; Mistral and Mixtral never have one (their code hard-codes it)
+    bias = family not in ("mistral", "mixtral") and bool(raw.get("attention_bias", False))
+    qkv_bias = True if family == "qwen2" else bias
+    num_layers = _positive_int(raw, "num_hidden_layers", path)
+    window = None
+    if family in ("mistral", "mixtral") and raw.get("sliding_window") is not None:
+        window = _positive_int(raw, "sliding_window", path)
     return ModelConfig(
         family=family, architecture=arch,
         vocab_size=_positive_int(raw, "vocab_size", path), hidden_size=hidden,
         intermediate_size=_positive_int(raw, "intermediate_size", path),
-        num_hidden_layers=_positive_int(raw, "num_hidden_layers", path),
+        num_hidden_layers=num_layers,
         num_attention_heads=n_heads, num_key_value_heads=int(n_kv), head_dim=int(head_dim),
         rms_norm_eps=_norm_eps(raw, path),
         max_position_embeddings=(4096 if raw.get("max_position_embeddings") is None
                                  else _positive_int(raw, "max_position_embeddings", path)),
         rope=_rope_config(raw, path),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias, o_proj_bias=family == "llama" and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        attention_bias=qkv_bias, o_proj_bias=family != "qwen2" and bias,
+        mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"), sliding_window=window,
+        moe=_moe_config(raw, family, path),
         torch_dtype=raw.get("dtype", raw.get("torch_dtype")),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"))
+
+
+def _moe_config(raw: dict[str, Any], family: str, path: str) -> MoEConfig | None:
+    """The MoE block of a Qwen3-MoE or Mixtral config (None for dense families), with the real configs'
+    field names: the expert count is ``num_experts`` (Qwen3-MoE hub configs) or ``num_local_experts``
+    (Mixtral, and transformers' own Qwen3-MoE export)."""
+    if family not in MOE_LAYOUTS:
+        return None
+    key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    experts = _positive_int(raw, key, path)
+    top_k = _positive_int(raw, "num_experts_per_tok", path)
+    if top_k > experts:
+        raise ConfigError(f"{path}: num_experts_per_tok {top_k} exceeds {key} {experts}")
+    if family == "mixtral":
+        return MoEConfig(experts, top_k, _positive_int(raw, "intermediate_size", path), True, family)
+    step = 1 if raw.get("decoder_sparse_step") is None else _positive_int(raw, "decoder_sparse_step", path)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"{path}: mlp_only_layers must be a list of layer indices, found {dense!r}")
+    normalize = raw.get("norm_topk_prob", False)
+    if not isinstance(normalize, bool):
+        raise ConfigError(f"{path}: norm_topk_prob must be true or false, found {normalize!r}")
+    return MoEConfig(experts, top_k, _positive_int(raw, "moe_intermediate_size", path), normalize, family,
+                     tuple(sorted(set(dense))), step)
 
 
 def load_model_config(directory: str) -> tuple[ModelConfig, dict[str, Any]]:

@@ -154,7 +154,8 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     t = q.shape[0]
     page = config.page_size
     decode_rows = jnp.arange(d, dtype=jnp.int32)
-    xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
+    xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype,
+                                   window=config.sliding_window)
     kernel_args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
     if d == t and config.decode == "fused_kernel":
         fused = functools.partial(_kernel_write_paged_attention, **kernel_args, variant=config.decode_variant,
@@ -179,7 +180,8 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     if d < t:
         prompt_rows = step.prompt_tokens
         operands = (q[d:], k_pool, v_pool, jnp.zeros(t - d, jnp.int32), step.positions[d:], step.block_tables[d:])
-        xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows)
+        xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows,
+                                        window=config.sliding_window)
         if config.prefill == "xla":
             parts.append(xla_prefill(*operands))
         else:
@@ -332,8 +334,9 @@ def _sm_count() -> int:
 
 
 def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                         dtype, row_tokens=None):
-    """XLA: gather the rows' pages, mask by position (and row), softmax as :func:`causal_attention`.
+                         dtype, row_tokens=None, window: int | None = None):
+    """XLA: gather the rows' pages, mask by position (and row; and ``window``: keys less than that many
+    positions back), softmax as :func:`causal_attention`.
 
     Three layouts: per row (``row_tokens`` given: each row's [Wq] queries against its own [S]
     keys; prompt chunks), per token (each token gathers its own row's context: T x S keys; decode
@@ -353,7 +356,7 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
         q_pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[row_tokens]  # padding: -1
         k = decode_stored(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]
         v = decode_stored(v_pool[slots], v_scale, dtype)
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]                        # [R, 1, Wq, S]
+        mask = _visible(key_pos[None, None, :], q_pos[:, :, None], window)[:, None]          # [R, 1, Wq, S]
         out_rows = causal_attention(q_rows, k, v, mask)                                        # [R, Wq, H * D]
         out = jnp.zeros((t + 1, h * d), out_rows.dtype).at[row_tokens.reshape(-1)].set(
             out_rows.reshape(-1, h * d), mode="drop")
@@ -362,12 +365,19 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
         tok_slots = slots[token_rows]
         k = decode_stored(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
         v = decode_stored(v_pool[tok_slots], v_scale, dtype)
-        mask = (key_pos[None, :] <= positions[:, None])[:, None, None, :]   # [T, 1, 1, S]
+        mask = _visible(key_pos[None, :], positions[:, None], window)[:, None, None, :]   # [T, 1, 1, S]
         out = causal_attention(q[:, None], k, v, mask)
         return out.reshape(t, h * d)
     k = decode_stored(k_pool[slots.reshape(-1)], k_scale, dtype)[None]      # [1, R*S, KV, D]
     v = decode_stored(v_pool[slots.reshape(-1)], v_scale, dtype)[None]
     key_rows = jnp.repeat(jnp.arange(rows, dtype=token_rows.dtype), s)
-    mask = (key_rows[None, :] == token_rows[:, None]) & (jnp.tile(key_pos, rows)[None, :] <= positions[:, None])
+    mask = (key_rows[None, :] == token_rows[:, None]) & _visible(jnp.tile(key_pos, rows)[None, :], positions[:, None],
+                                                                 window)
     out = causal_attention(q[None], k, v, mask[None, None])
     return out.reshape(t, h * d)
+
+
+def _visible(key_positions: jax.Array, query_positions: jax.Array, window: int | None) -> jax.Array:
+    """Causal mask, narrowed to the sliding window where there is one (broadcasting)."""
+    causal = key_positions <= query_positions
+    return causal if window is None else causal & (query_positions - key_positions < window)

@@ -66,6 +66,8 @@ class AttentionConfig:
     prefill: str = "xla"             # prompt rows: "kernel" (the CUDA prefill kernel) or "xla"
     decode_variant: str = "mma"      # "mma" (tensor cores) or "staged" (CUDA cores; float32 compute)
     decode_splits: int | None = None  # CTAs per (token, kv head); None: kernel_splits decides per step
+    sliding_window: int | None = None  # a token attends keys less than this many positions back (None: all);
+                                      # the CUDA kernels have no window: such a model takes the XLA paths
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -76,6 +78,8 @@ class AttentionConfig:
                 raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
         if self.decode_splits is not None and (not isinstance(self.decode_splits, int) or self.decode_splits < 1):
             raise ValueError(f"AttentionConfig.decode_splits={self.decode_splits!r} must be a positive integer or None")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"AttentionConfig.sliding_window={self.sliding_window!r} must be a positive integer or None")
 
     @property
     def reads_only_used_pages(self) -> bool:
@@ -84,29 +88,32 @@ class AttentionConfig:
 
     @classmethod
     def resolve(cls, *, num_heads: int, num_kv_heads: int, head_dim: int, pool_dtype, compute_dtype,
-                page_size: int, platform: str, **overrides) -> "AttentionConfig":
+                page_size: int, platform: str, sliding_window: int | None = None,
+                **overrides) -> "AttentionConfig":
         """The fastest paths that serve this geometry on ``platform`` ("gpu" runs the CUDA kernels
         where the native library has them; anything else runs XLA). ``overrides`` (A/B runs, tests)
         replace a field after the choice; a kernel the platform or geometry cannot run is an error."""
-        gpu = platform == "gpu"
+        gpu = platform == "gpu" and sliding_window is None
         decode_ok = gpu and kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
         prefill_ok = gpu and prefill_kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
         from modelopt_jax.ops import native
 
         fused = decode_ok and native.has_paged_decode_write_kernel()
-        config = cls(page_size=int(page_size),
+        config = cls(page_size=int(page_size), sliding_window=sliding_window,
                      decode="fused_kernel" if fused else "kernel" if decode_ok else "xla",
                      prefill="kernel" if prefill_ok else "xla",
                      decode_variant="mma" if tensor_cores_serve(pool_dtype, compute_dtype) else "staged")
         config = dataclasses.replace(config, **overrides)
         if config.decode != "xla" and not decode_ok:
             raise ValueError(f"decode={config.decode!r}: the CUDA decode kernel does not serve this model here "
-                             f"(platform {platform}, {num_heads}/{num_kv_heads} heads, head_dim {head_dim})")
+                             f"(platform {platform}, {num_heads}/{num_kv_heads} heads, head_dim {head_dim}, "
+                             f"sliding window {sliding_window})")
         if config.decode == "fused_kernel" and not fused:
             raise ValueError("decode='fused_kernel': the native library has no page-writing decode kernel")
         if config.prefill == "kernel" and not prefill_ok:
             raise ValueError(f"prefill='kernel': the CUDA prefill kernel does not serve this model here "
-                             f"(platform {platform}, compute {jnp.dtype(compute_dtype).name})")
+                             f"(platform {platform}, compute {jnp.dtype(compute_dtype).name}, "
+                             f"sliding window {sliding_window})")
         return config
 
 
