@@ -36,7 +36,9 @@ def _logits(path, tp, dtype="float32"):
     return np.asarray(model(ids))
 
 
-@pytest.mark.parametrize("name", ["qwen2-bytes-fp8", "qwen2-bytes-bf16", "llama-tiny-fp8-kv", "qwen2-tiny-fp8"])
+@pytest.mark.parametrize("name", ["qwen2-bytes-fp8", "qwen2-bytes-bf16", "llama-tiny-fp8-kv", "qwen2-tiny-fp8",
+                                  # q/k norm per head, sliding window, experts split by their width
+                                  "qwen3-tiny-fp8", "mistral-tiny-fp8-kv", "qwen3moe-tiny-fp8", "mixtral-tiny-fp8"])
 def test_tp2_equals_tp1(name):
     d = fixture_dir(name)
     np.testing.assert_allclose(_logits(d, 2), _logits(d, 1), atol=1e-4, rtol=0)

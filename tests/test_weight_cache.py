@@ -176,6 +176,23 @@ def test_block_and_kv_scale_checkpoints_through_the_cache(name, tmp_path):
     assert _store_offsets(attached[0]) == _store_offsets(attached[1])
 
 
+@pytest.mark.parametrize("name", ["qwen3-tiny-fp8", "mistral-tiny-fp8-kv", "qwen3moe-tiny-fp8", "mixtral-tiny-fp8"])
+def test_new_families_through_the_cache(name, tmp_path):
+    """Qwen3 (q/k norms), Mistral (window, FP8 KV), Qwen3-MoE and Mixtral (routers, experts): the plan
+    carries them all; an attached model's state is bit-identical to an ordinary load, and so are its logits."""
+    path = fixture_dir(name)
+    ordinary = load(path, dtype="float32")
+    daemon = DaemonProcess(path, tmp_path / "sock")
+    try:
+        attached = load(path, dtype="float32", weight_cache="require", weight_cache_dir=daemon.dir)
+    finally:
+        daemon.stop()
+    assert attached.info.weights == "daemon"
+    _assert_same_arrays(attached, ordinary)
+    ids = np.load(path / "ref_logits.npz")["input_ids"].astype(np.int32)
+    assert np.array_equal(np.asarray(attached(ids)), np.asarray(ordinary(ids)))
+
+
 def test_backend_with_another_weight_layout_rejected_up_front(tmp_path):
     """A GEMM backend declares the processed-weight layout it consumes; the cache shares only its own."""
     from modelopt_jax.ops import gemm
