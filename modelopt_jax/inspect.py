@@ -49,6 +49,10 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         check_supported(qc)
     except ModelOptJaxError as e:
         warnings.append(f"cannot be loaded by modelopt_jax: {e}")
+    try:  # layer / expert counts in config.json backed by tensors (load checks this first too)
+        ckpt.check_counts()
+    except ModelOptJaxError as e:
+        warnings.append(f"cannot be loaded by modelopt_jax: {e}")
 
     tensors = ckpt.tensors.tensors
     bytes_by_dtype: dict[str, int] = collections.Counter()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import warnings
 from typing import Sequence
 
@@ -66,35 +65,6 @@ def _kv_scales(ckpt: Checkpoint, attention_prefixes: Sequence[str]) -> tuple[tup
     return tuple(out)
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-
-
-def check_counts(ckpt: Checkpoint) -> None:
-    """Layer and expert counts from config.json must be backed by tensors the checkpoint holds.
-
-    Checked against the tensor names before any per-layer spec is built, so an absurd count
-    (``num_hidden_layers: 10**9``) is a MissingTensorError at once, not memory growing with the count.
-    """
-    config = ckpt.model_config
-    where = os.path.join(ckpt.directory, "config.json")
-    layers, experts = set(), set()
-    for name in ckpt.tensors:
-        if (m := _LAYER.match(name)) is not None:
-            layers.add(int(m.group(1)))
-        if (m := _EXPERT.search(name)) is not None:
-            experts.add(int(m.group(1)))
-    missing = [i for i in range(min(config.num_hidden_layers, len(layers) + 1)) if i not in layers]
-    if missing or config.num_hidden_layers > len(layers):
-        first = missing[0] if missing else len(layers)
-        raise MissingTensorError(f"{where}: num_hidden_layers is {config.num_hidden_layers} but the checkpoint "
-                                 f"holds no tensor of layer {first} (model.layers.{first}.*; it has "
-                                 f"{len(layers)} layers)")
-    if config.moe is not None and config.moe.num_experts > len(experts):
-        raise MissingTensorError(f"{where}: the expert count is {config.moe.num_experts} but the checkpoint holds "
-                                 f"tensors of {len(experts)} experts (.experts.E.*)")
-
-
 def _check_shared_input_scales(plan_linears, config, where: str) -> None:
     """All experts of a layer quantize its tokens with one input scale (ModelOpt calibrates one input
     quantizer per layer for gate/up and one for down); a differing one is a broken export."""
@@ -121,7 +91,7 @@ def plan_model(ckpt: Checkpoint, *, dtype, backend: str, tensor_parallel: int = 
     config = ckpt.model_config
     if tensor_parallel > 1:
         parallel.check_divisible(config, tensor_parallel, os.path.join(ckpt.directory, "config.json"))
-    check_counts(ckpt)
+    ckpt.check_counts()
     linear_specs, tensor_specs, attention = family_of(ckpt).weight_specs(config)
     tensors = []  # headers first: the embedding is the first thing a wrong hidden size shows in
     for t in tensor_specs:

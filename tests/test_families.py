@@ -315,3 +315,16 @@ def test_paged_attention_window_mask_on_the_xla_path():
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), vv).reshape(length, heads * d)
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+
+
+def test_inspect_warns_about_an_absurd_layer_count(tmp_path, capsys):
+    from modelopt_jax.__main__ import main
+
+    d = copy_fixture("mixtral-tiny-fp8", tmp_path)
+    _edit_config(d, num_hidden_layers=10**9)
+    start = time.monotonic()
+    main(["inspect", str(d)])
+    out = capsys.readouterr().out
+    assert time.monotonic() - start < 2.0
+    assert "warnings:    none" not in out
+    assert "num_hidden_layers is 1000000000 but the checkpoint holds no tensor of layer 2" in out
