@@ -31,7 +31,8 @@ from modelopt_jax.checkpoint.safetensors_index import NUMPY_DTYPES
 from modelopt_jax.errors import CheckpointError, ConfigError, MissingTensorError
 from modelopt_jax.kv_cache import KVCacheSpec
 from modelopt_jax.quant.plan import ModelPlan, TensorPlan
-from modelopt_jax.quant.schemes import FLOAT_DTYPES, SCHEMES, check_header, read_checked, read_scale, scheme_for
+from modelopt_jax.quant.schemes import (FLOAT_DTYPES, SCHEMES, check_header, plan_linear, read_checked, read_scale,
+                                        scheme_for)
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +66,6 @@ def _kv_scales(ckpt: Checkpoint, attention_prefixes: Sequence[str]) -> tuple[tup
     return tuple(out)
 
 
-def _check_shared_input_scales(plan_linears, config, where: str) -> None:
-    """All experts of a layer quantize its tokens with one input scale (ModelOpt calibrates one input
-    quantizer per layer for gate/up and one for down); a differing one is a broken export."""
-    if config.moe is None:
-        return
-    scales = {}
-    for path, lp in plan_linears:
-        parts = path.split(".")
-        if len(parts) != 6 or parts[2:4] != ["mlp", "experts"]:
-            continue
-        for piece in lp.parts or (lp,):  # "concat": gate and up with their own input scales
-            if piece.input_scale is not None:
-                scales.setdefault((parts[1], parts[5]), []).append((piece.input_scale, piece.prefixes[0]))
-    for (layer, kind), found in scales.items():
-        if len({s for s, _ in found}) > 1:
-            (s0, p0), (s1, p1) = found[0], next(f for f in found if f[0] != found[0][0])
-            raise CheckpointError(f"{where}: layer {layer}'s experts have different {kind} input scales "
-                                  f"({p0}.input_scale = {s0!r}, {p1}.input_scale = {s1!r}); ModelOpt writes "
-                                  f"one per layer, shared by all experts")
-
-
 def plan_model(ckpt: Checkpoint, *, dtype, backend: str, tensor_parallel: int = 1) -> ModelPlan:
     """What every layer is, from headers and scales: the plan both providers and the builder follow."""
     config = ckpt.model_config
@@ -98,8 +78,7 @@ def plan_model(ckpt: Checkpoint, *, dtype, backend: str, tensor_parallel: int = 
         info = check_header(ckpt, t.name, FLOAT_DTYPES, [t.shape],
                             "embedding table" if "embed" in t.name else "RMSNorm weight")
         tensors.append((t.path, TensorPlan(t.name, tuple(t.shape), NUMPY_DTYPES[info.dtype].name)))
-    linears = tuple((s.path, scheme_for(ckpt, s.prefixes).plan(ckpt, s, tensor_parallel)) for s in linear_specs)
-    _check_shared_input_scales(linears, config, ckpt.directory)
+    linears = tuple((s.path, plan_linear(ckpt, s, tensor_parallel)) for s in linear_specs)
     if config.tie_word_embeddings and ckpt.has("lm_head.weight"):
         ckpt.consumed.add("lm_head.weight")  # HF ignores lm_head.weight when embeddings are tied
     return ModelPlan(config.family, jnp.dtype(dtype).name, backend, int(tensor_parallel), linears, tuple(tensors),

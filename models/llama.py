@@ -38,7 +38,7 @@ from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 from modelopt_jax.ops.attention import causal_attention, step_attention
 from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, dense_rows_step
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, TP_AXIS, ModelPlan
-from modelopt_jax.quant.schemes import SCHEMES, LinearSpec
+from modelopt_jax.quant.schemes import SCHEMES, ExpertsSpec, LinearSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +328,7 @@ class CausalLM(nnx.Module):
         return logits.reshape(b, -1, logits.shape[-1]), cache
 
 
-def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec], list[str]]:
+def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec | ExpertsSpec], list[TensorSpec], list[str]]:
     """Every weight the architecture reads: (dense layers, plain tensors, attention prefixes).
 
     Sizes are the checkpoint's; each dense layer says how tensor parallelism splits it.
@@ -368,20 +368,21 @@ def weight_specs(config: ModelConfig) -> tuple[list[LinearSpec], list[TensorSpec
     return linears, tensors, attention
 
 
-def moe_specs(config: ModelConfig, layer: int) -> tuple[list[LinearSpec], list[TensorSpec]]:
-    """A sparse layer's experts (gate/up fused per expert, one GEMM each; tensor parallelism splits
-    every expert's intermediate width like a dense MLP's) and its router (read as is, replicated)."""
+def moe_specs(config: ModelConfig, layer: int) -> tuple[list[ExpertsSpec], list[TensorSpec]]:
+    """A sparse layer's experts, stacked: one layer of every expert's fused gate/up and one of their
+    downs (tensor parallelism splits each expert's intermediate width like a dense MLP's), and its
+    router (read as is, replicated)."""
     from modelopt_jax.checkpoint.hf_config import MOE_LAYOUTS
 
     moe, h = config.moe, config.hidden_size
     block, router, (gate, up, down) = MOE_LAYOUTS[moe.layout]
     p, m = f"model.layers.{layer}.{block}", f"layers.{layer}.mlp"
-    linears = []
-    for e in range(moe.num_experts):
-        x = f"{p}.experts.{e}"
-        linears += [LinearSpec(f"{m}.experts.{e}.gate_up", (f"{x}.{gate}", f"{x}.{up}"), h,
-                               (moe.intermediate_size,) * 2, False, COLUMN),
-                    LinearSpec(f"{m}.experts.{e}.down", (f"{x}.{down}",), moe.intermediate_size, (h,), False, ROW)]
+    experts = [f"{p}.experts.{e}" for e in range(moe.num_experts)]
+    f = moe.intermediate_size
+    linears = [ExpertsSpec(f"{m}.gate_up", tuple(LinearSpec(f"{m}.gate_up", (f"{x}.{gate}", f"{x}.{up}"), h, (f, f),
+                                                            False, COLUMN) for x in experts)),
+               ExpertsSpec(f"{m}.down", tuple(LinearSpec(f"{m}.down", (f"{x}.{down}",), f, (h,), False, ROW)
+                                              for x in experts))]
     return linears, [TensorSpec(f"{m}.router.weight", f"{p}.{router}.weight", (moe.num_experts, h))]
 
 
@@ -414,9 +415,8 @@ def build(config: ModelConfig, plan: ModelPlan, *, kv_cache: KVCacheSpec, mesh=N
                          dtype=dtype, **qk)
         if config.moe is not None and config.moe.is_sparse(i):
             moe = local.moe
-            experts = [MLP(linear(f"{m}.mlp.experts.{e}.gate_up"), linear(f"{m}.mlp.experts.{e}.down"),
-                           moe.intermediate_size, dtype=dtype) for e in range(moe.num_experts)]
-            mlp = SparseMoE(Router(plan.tensor(f"{m}.mlp.router.weight")), experts, top_k=moe.top_k,
+            mlp = SparseMoE(Router(plan.tensor(f"{m}.mlp.router.weight")), linear(f"{m}.mlp.gate_up"),
+                            linear(f"{m}.mlp.down"), moe.intermediate_size, top_k=moe.top_k,
                             normalize=moe.normalize_top_k, dtype=dtype)
         else:
             mlp = MLP(linear(f"{m}.mlp.gate_up"), linear(f"{m}.mlp.down"), local.intermediate_size, dtype=dtype)

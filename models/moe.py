@@ -5,11 +5,12 @@ logits from the unquantized router weight, softmax, top-k, optionally renormalis
 (Mixtral always, Qwen3-MoE when ``norm_topk_prob``); the output is each picked expert's SwiGLU
 weighted by its probability, summed in ascending order of expert id.
 
-Experts are ordinary (FP8) MLPs, one fused gate/up GEMM and one down GEMM each, so every scheme
-the loader knows, the weight cache and tensor parallelism (each expert's intermediate width split
-like a dense MLP's) serve them unchanged. This block runs every expert over every token and
-weights unpicked ones by an exact zero: the pure-XLA reference, exact but top_k / num_experts as
-efficient as routing only the picked tokens to each expert (what a grouped GEMM does).
+The experts of a layer are two stacked layers (:class:`~modelopt_jax.layers.GroupedLinear`): every
+expert's fused gate/up [E, 2F, H] and every expert's down [E, H, F]. Each token's k picks become k
+rows, sorted by expert, so each expert multiplies only the rows routed to it (one grouped GEMM per
+stacked layer, whatever the routing, without recompiling); the rows' outputs, weighted, are added
+back to their tokens. Under tensor parallelism each expert's intermediate width is split like a
+dense MLP's and the down projection's partial sums are reduced once.
 """
 
 from __future__ import annotations
@@ -44,25 +45,36 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 
 
 class SparseMoE(nnx.Module):
-    """``x [..., hidden] -> [..., hidden]``: the routed sum of the picked experts' outputs."""
+    """``x [..., hidden] -> [..., hidden]``: the routed, weighted sum of each token's picked experts."""
 
-    def __init__(self, router: Router, experts, *, top_k: int, normalize: bool, dtype):
+    def __init__(self, router: Router, gate_up: nnx.Module, down: nnx.Module, intermediate_size: int, *,
+                 top_k: int, normalize: bool, dtype):
         self.router = router
-        self.experts = nnx.List(experts)
+        self.gate_up = gate_up  # GroupedLinear: every expert's [gate; up], [E, 2F, H]
+        self.down = down        # GroupedLinear: every expert's down, [E, H, F]
+        self.intermediate_size = intermediate_size  # F on this device
         self.top_k = int(top_k)
         self.normalize = bool(normalize)
         self.dtype = jnp.dtype(dtype)
 
-    def combine_weights(self, x: jax.Array) -> jax.Array:
-        """Each token's weight per expert [..., num_experts] (zero for experts it does not pick)."""
-        weights, ids = route(self.router(x), self.top_k, self.normalize)
-        one_hot = jax.nn.one_hot(ids, len(self.experts), dtype=jnp.float32)  # [..., k, E]
-        return jnp.sum(weights[..., None] * one_hot, axis=-2)
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.weight.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        combine = self.combine_weights(x)
-        out = jnp.zeros(x.shape, jnp.float32)
-        for e, expert in enumerate(self.experts):
-            # as transformers: each expert's output scaled by its weight in the compute dtype, summed
-            out = out + (expert(x) * combine[..., e:e + 1].astype(self.dtype)).astype(jnp.float32)
-        return out.astype(self.dtype)
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts = route(self.router(tokens), self.top_k, self.normalize)  # [T, k]
+        picks = experts.reshape(-1)                                                 # [T * k]
+        order = jnp.argsort(picks, stable=True)        # rows grouped by expert, ascending
+        token_of_row = order // self.top_k
+        expert_of_row = picks[order]
+        group_sizes = jnp.bincount(picks, length=self.num_experts).astype(jnp.int32)
+        gate_up = self.gate_up(tokens[token_of_row], group_sizes, expert_of_row)
+        gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
+        act = (jax.nn.silu(gate.astype(jnp.float32)).astype(self.dtype) * up).astype(self.dtype)
+        rows = self.down(act, group_sizes, expert_of_row)                            # [T * k, hidden]
+        # as transformers: each expert's output scaled by its weight in the compute dtype, then summed
+        weighted = (rows * weights.reshape(-1)[order][:, None].astype(self.dtype)).astype(jnp.float32)
+        out = jnp.zeros(tokens.shape, jnp.float32).at[token_of_row].add(weighted)
+        return out.astype(self.dtype).reshape(shape)

@@ -25,9 +25,9 @@ from flax import nnx
 
 from modelopt_jax.checkpoint import Checkpoint
 from modelopt_jax.checkpoint.safetensors_index import NUMPY_DTYPES, TensorInfo, aligned_empty
-from modelopt_jax.errors import (CheckpointError, ConfigError, DtypeMismatchError, InvalidScaleError,
+from modelopt_jax.errors import (UnsupportedQuantizationError, CheckpointError, ConfigError, DtypeMismatchError, InvalidScaleError,
                                  MissingTensorError, ShapeMismatchError)
-from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Fp8Linear, Linear
+from modelopt_jax.layers import BlockFp8Linear, ConcatLinear, Fp8Linear, GroupedLinear, Linear
 from modelopt_jax.ops.alignment import N_ALIGN, padded_rows
 from modelopt_jax.quant.plan import COLUMN, REPLICATED, ROW, Fp8Epilogue, LinearPlan
 from modelopt_jax.static_array import StaticArray
@@ -50,6 +50,15 @@ class LinearSpec:
     bias: bool
     role: str = REPLICATED             # tensor-parallel split: COLUMN (N), ROW (K) or REPLICATED
     out_dtype: str | None = None       # None: the compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """The experts of one sparse (MoE) layer, as one stacked layer: one LinearSpec per expert (its
+    fused gate/up, or its down), all of one shape; planned together into a single [E, N, K] weight."""
+
+    path: str                          # module path in the model, e.g. "layers.1.mlp.gate_up"
+    parts: tuple[LinearSpec, ...]      # expert e's layer is parts[e]
 
 
 # ---- checked reads ---------------------------------------------------------------------------------
@@ -352,12 +361,85 @@ class Concat(LinearScheme):
                              for p in plan.parts])
 
 
+class Experts(LinearScheme):
+    """A sparse layer's experts stacked into one weight [E, N, K] (one buffer, one op per layer).
+
+    Each expert is first planned by its own scheme (so headers, scales and tensor-parallel slices
+    are checked exactly as for a dense layer); this scheme then requires what one grouped GEMM
+    needs -- the same scheme, shape and input scale for every expert (ModelOpt calibrates one input
+    quantizer per layer) -- and folds each expert's epilogue into a row of per-expert output-channel
+    factors ``epilogue.col`` [E, N] (alpha folded in), or a state leaf under tensor parallelism
+    (``col_is_data``: per-channel scales differ per device).
+    """
+
+    name = "experts"
+    description = "experts stacked [E, N, K]"
+    STACKABLE = ("fp8", "fp8_pc_pt", "unquantized")
+
+    def stack(self, ckpt, path: str, parts: Sequence[LinearPlan]) -> LinearPlan:
+        first = parts[0]
+        for part in parts:
+            if part.scheme == "concat":
+                raise CheckpointError(f"{ckpt.directory}: {' and '.join(part.prefixes)} have different input scales; "
+                                      f"an expert's gate and up read the same input and ModelOpt gives them one")
+            if part.scheme not in self.STACKABLE:
+                raise UnsupportedQuantizationError(f"{ckpt.directory}: {part.prefixes[0]} is {part.scheme}; experts "
+                                                   f"support {', '.join(self.STACKABLE)}")
+            same = ("scheme", "in_features", "shard_sizes", "padded_out", "weight_dtype", "bias_dtype")
+            differs = [f for f in same if getattr(part, f) != getattr(first, f)]
+            if differs:
+                raise CheckpointError(f"{ckpt.directory}: experts {first.prefixes[0]} and {part.prefixes[0]} differ in "
+                                      f"{', '.join(differs)}; every expert of a layer must be alike")
+            if part.input_scale != first.input_scale:
+                raise CheckpointError(
+                    f"{ckpt.directory}: {path}: the experts have different input scales "
+                    f"({first.prefixes[0]}.input_scale = {first.input_scale!r}, {part.prefixes[0]}.input_scale = "
+                    f"{part.input_scale!r}); ModelOpt writes one per layer, shared by all experts")
+        epilogue = None
+        if first.epilogue is not None:
+            if first.epilogue.col_is_data:
+                epilogue = first.epilogue
+            else:
+                rows = [p.epilogue.col.array if p.epilogue.col is not None
+                        else np.full(p.padded_out, p.epilogue.alpha, np.float32) for p in parts]
+                epilogue = Fp8Epilogue(col=StaticArray(np.stack(rows).astype(np.float32)),
+                                       per_token=first.epilogue.per_token)
+        return LinearPlan(self.name, tuple(p for part in parts for p in part.prefixes), first.in_features,
+                          first.shard_sizes, first.padded_out, first.weight_dtype, None, first.role, first.out_dtype,
+                          input_scale=first.input_scale, epilogue=epilogue, parts=tuple(parts))
+
+    def process(self, ckpt, plan, ranks, tp=1):
+        per_expert = [SCHEMES[p.scheme].process(ckpt, p, ranks, tp) for p in plan.parts]
+        out = []
+        for r in range(len(ranks)):
+            leaves = {}
+            for key in per_expert[0][r]:
+                arrays = [expert[r][key] for expert in per_expert]
+                stacked = aligned_empty((len(arrays),) + arrays[0].shape, arrays[0].dtype)
+                for e, a in enumerate(arrays):
+                    stacked[e] = a
+                leaves[key] = stacked
+            out.append(leaves)
+        return out
+
+    def module(self, plan, *, dtype, backend, reduce_axis):
+        return GroupedLinear(plan, dtype=dtype, reduce_axis=reduce_axis)
+
+
+def plan_linear(ckpt: Checkpoint, spec: "LinearSpec | ExpertsSpec", tp: int = 1) -> LinearPlan:
+    """The plan of a dense layer, or of a sparse layer's stacked experts."""
+    if isinstance(spec, ExpertsSpec):
+        return SCHEMES["experts"].stack(ckpt, spec.path, [scheme_for(ckpt, p.prefixes).plan(ckpt, p, tp)
+                                                          for p in spec.parts])
+    return scheme_for(ckpt, spec.prefixes).plan(ckpt, spec, tp)
+
+
 def _leaves(**arrays) -> dict:
     return {k: v for k, v in arrays.items() if v is not None}
 
 
 SCHEMES: dict[str, LinearScheme] = {s.name: s for s in (Unquantized(), Fp8PerTensor(), Fp8PerChannelPerToken(),
-                                                         Fp8BlockWeightOnly(), Concat())}
+                                                         Fp8BlockWeightOnly(), Concat(), Experts())}
 # quant_algo in the checkpoint's config -> scheme
 BY_QUANT_ALGO = {None: "unquantized", "FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8_pc_pt", "FP8_PB_WO": "fp8_pb_wo"}
 
