@@ -54,7 +54,8 @@ __all__ = ["write_checkpoint", "write_safetensors", "plan_tensors", "TensorSpec"
            "QUANT_ALGOS"]
 
 QUANT_ALGOS = (None, "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
-FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
 MODELOPT_VERSION = "0.47.0"  # what the fixtures in shared/fixtures were exported with
 TRANSFORMERS_VERSION = "5.14.1"
 EXCLUDE_MODULES = ["lm_head", "model.embed_tokens"]  # ModelOpt's FP8 default config leaves these bf16
@@ -158,8 +159,15 @@ def _jitter(rng: np.random.Generator) -> float:
 def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                  num_attention_heads: int, num_key_value_heads: int, vocab_size: int, head_dim: int | None = None,
                  quant_algo: str | None = "FP8", kv_cache_fp8: bool = False, tie_word_embeddings: bool = False,
-                 seed: int = 0) -> list[TensorSpec]:
-    """The checkpoint's tensors in the exporter's state-dict order (the order shards are filled in)."""
+                 seed: int = 0, num_experts: int = 0, num_experts_per_tok: int = 0,
+                 moe_intermediate_size: int = 0) -> list[TensorSpec]:
+    """The checkpoint's tensors in the exporter's state-dict order (the order shards are filled in).
+
+    Qwen3 adds per-head ``q_norm``/``k_norm``; Qwen3-MoE (``num_experts`` > 0) has, in every layer,
+    a bf16 router ``mlp.gate`` [E, hidden] and experts ``mlp.experts.e.{gate,up,down}_proj``, each
+    FP8 with its own weight scale (gate and up share it, as the export of the fused gate_up
+    parameter gives) and the layer's one input scale per projection (ModelOpt's shared quantizer).
+    """
     hd = head_dim or hidden_size // num_attention_heads
     q_size, kv_size = num_attention_heads * hd, num_key_value_heads * hd
     specs: list[TensorSpec] = []
@@ -196,6 +204,28 @@ def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_h
         if extra_scale:
             f32(f"{prefix}.{extra_scale}", _KV_SCALE * _jitter(_rng(seed, f"{prefix}.{extra_scale}")))
 
+    def experts(p):  # one shared input scale per projection, one weight scale per expert (gate = up)
+        bf16(f"{p}.gate.weight", (num_experts, hidden_size), 1.0 / math.sqrt(hidden_size))
+        for e in range(num_experts):
+            x = f"{p}.experts.{e}"
+            for name, n, k, group in (("gate_proj", moe_intermediate_size, hidden_size, "gate_up"),
+                                      ("up_proj", moe_intermediate_size, hidden_size, "gate_up"),
+                                      ("down_proj", hidden_size, moe_intermediate_size, "down")):
+                sigma = 1.0 / math.sqrt(k)
+                if quant_algo is None:
+                    bf16(f"{x}.{name}.weight", (n, k), sigma)
+                    continue
+                clip = _clip_point(n * k)
+                specs.append(TensorSpec(f"{x}.{name}.weight", "F8_E4M3", (n, k),
+                                        _fp8_codes(seed, f"{x}.{name}.weight", (n, k), clip)))
+                if quant_algo == "FP8":
+                    scale_key = f"{x}.{'gate_up' if group == 'gate_up' else 'down'}.weight_scale"
+                    f32(f"{x}.{name}.weight_scale", clip * sigma * _jitter(_rng(seed, scale_key)) / FP8_MAX)
+                    f32(f"{x}.{name}.input_scale", _INPUT_SCALE[group] * _jitter(_rng(seed, f"{p}.{group}.input_scale")))
+                else:
+                    row_sigma = sigma * np.exp(0.5 * _rng(seed, f"{x}.{name}.weight_scale").standard_normal(n))
+                    f32(f"{x}.{name}.weight_scale", clip * row_sigma / FP8_MAX)
+
     bf16("model.embed_tokens.weight", (vocab_size, hidden_size), 1.0 / math.sqrt(hidden_size))
     qkv_bias = family == "qwen2"
     for i in range(num_hidden_layers):
@@ -204,9 +234,15 @@ def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_h
         linear(f"{p}.self_attn.k_proj", kv_size, hidden_size, qkv_bias, "qkv", "k_scale" if kv_cache_fp8 else None)
         linear(f"{p}.self_attn.v_proj", kv_size, hidden_size, qkv_bias, "qkv", "v_scale" if kv_cache_fp8 else None)
         linear(f"{p}.self_attn.o_proj", hidden_size, q_size, False, "o")
-        linear(f"{p}.mlp.gate_proj", intermediate_size, hidden_size, False, "gate_up")
-        linear(f"{p}.mlp.up_proj", intermediate_size, hidden_size, False, "gate_up")
-        linear(f"{p}.mlp.down_proj", hidden_size, intermediate_size, False, "down")
+        if family in ("qwen3", "qwen3_moe"):
+            bf16(f"{p}.self_attn.q_norm.weight", (hd,), 0.1, 1.0)
+            bf16(f"{p}.self_attn.k_norm.weight", (hd,), 0.1, 1.0)
+        if num_experts:
+            experts(f"{p}.mlp")
+        else:
+            linear(f"{p}.mlp.gate_proj", intermediate_size, hidden_size, False, "gate_up")
+            linear(f"{p}.mlp.up_proj", intermediate_size, hidden_size, False, "gate_up")
+            linear(f"{p}.mlp.down_proj", hidden_size, intermediate_size, False, "down")
         bf16(f"{p}.input_layernorm.weight", (hidden_size,), 0.1, 1.0)
         bf16(f"{p}.post_attention_layernorm.weight", (hidden_size,), 0.1, 1.0)
     bf16("model.norm.weight", (hidden_size,), 0.1, 1.0)
@@ -345,7 +381,7 @@ def _rope_parameters(rope_scaling: dict | None) -> dict:
 
 def _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
                num_key_value_heads, vocab_size, head_dim, tie_word_embeddings, rope_scaling,
-               max_position_embeddings) -> dict:
+               max_position_embeddings, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0) -> dict:
     arch, model_type = FAMILIES[family]
     cfg = {
         "architectures": [arch], "attention_dropout": 0.0, "dtype": "bfloat16", "hidden_act": "silu",
@@ -359,21 +395,31 @@ def _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_at
     if family == "llama":
         cfg.update({"attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "mlp_bias": False,
                     "pretraining_tp": 1, "head_dim": head_dim or hidden_size // num_attention_heads})
-    else:
+    elif family == "qwen2":
         cfg.update({"bos_token_id": None, "eos_token_id": None, "layer_types": ["full_attention"] * num_hidden_layers,
                     "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False})
         if head_dim and head_dim != hidden_size // num_attention_heads:
             cfg["head_dim"] = head_dim  # Qwen2Config has no head_dim field; written only when it differs
+    else:  # Qwen3 / Qwen3-MoE: head_dim always written, no q/k/v bias
+        cfg.update({"attention_bias": False, "bos_token_id": None, "eos_token_id": None,
+                    "head_dim": head_dim or hidden_size // num_attention_heads, "max_window_layers": 28,
+                    "sliding_window": None, "use_sliding_window": False})
+        if family == "qwen3":
+            cfg["layer_types"] = ["full_attention"] * num_hidden_layers
+        else:  # hub configs spell the expert count num_experts
+            cfg.update({"decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": moe_intermediate_size,
+                        "norm_topk_prob": True, "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                        "output_router_logits": False, "router_aux_loss_coef": 0.001})
     return dict(sorted(cfg.items()))  # PretrainedConfig.to_json_string(sort_keys=True)
 
 
-def _quantization_config(quant_algo: str, kv_cache_fp8: bool) -> dict:
+def _quantization_config(quant_algo: str, kv_cache_fp8: bool, routers: Sequence[str] = ()) -> dict:
     qc: dict = {}
     if quant_algo == "FP8":
         static = {"dynamic": False, "num_bits": 8, "type": "float"}
         qc["config_groups"] = {"group_0": {"input_activations": dict(static), "weights": dict(static),
                                            "targets": ["Linear"]}}
-    qc["ignore"] = list(EXCLUDE_MODULES)
+    qc["ignore"] = list(EXCLUDE_MODULES) + list(routers)  # ModelOpt never quantizes an MoE router
     qc["quant_algo"] = quant_algo
     if kv_cache_fp8:
         qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -382,10 +428,10 @@ def _quantization_config(quant_algo: str, kv_cache_fp8: bool) -> dict:
     return qc
 
 
-def _hf_quant_config(quant_algo: str, kv_cache_fp8: bool) -> dict:
+def _hf_quant_config(quant_algo: str, kv_cache_fp8: bool, routers: Sequence[str] = ()) -> dict:
     return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION},
             "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_cache_fp8 else None,
-                             "exclude_modules": list(EXCLUDE_MODULES)}}
+                             "exclude_modules": list(EXCLUDE_MODULES) + list(routers)}}
 
 
 def _write_json(path: str, data: dict, *, modelopt: bool) -> None:
@@ -404,7 +450,8 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
                      num_key_value_heads: int, vocab_size: int, head_dim: int | None = None,
                      quant_algo: str | None = "FP8", kv_cache_fp8: bool = False, tie_word_embeddings: bool = False,
                      max_shard_bytes: int | None = None, seed: int = 0, rope_scaling: dict | None = None,
-                     max_position_embeddings: int = 4096, workers: int = 1) -> SyntheticCheckpoint:
+                     max_position_embeddings: int = 4096, workers: int = 1, num_experts: int = 0,
+                     num_experts_per_tok: int = 0, moe_intermediate_size: int = 0) -> SyntheticCheckpoint:
     """Writes a synthetic Llama/Qwen2 checkpoint in ModelOpt's export layout (see the module doc).
 
     ``quant_algo``: ``"FP8"`` (per-tensor static), ``"FP8_PER_CHANNEL_PER_TOKEN"`` or ``None``
@@ -417,6 +464,12 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
     """
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} not supported; choose one of {', '.join(FAMILIES)}")
+    moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+               moe_intermediate_size=moe_intermediate_size)
+    if (family == "qwen3_moe") != (num_experts > 0) or (num_experts and not 0 < num_experts_per_tok <= num_experts) \
+            or (num_experts and moe_intermediate_size <= 0):
+        raise ValueError(f"family {family!r} with {moe}: qwen3_moe needs num_experts > 0, 0 < num_experts_per_tok <= "
+                         f"num_experts and moe_intermediate_size > 0; the other families take none")
     quant_algo = quant_algo.upper() if isinstance(quant_algo, str) else quant_algo
     if quant_algo not in QUANT_ALGOS:
         raise ValueError(f"quant_algo {quant_algo!r} not supported; choose one of {QUANT_ALGOS}")
@@ -446,7 +499,7 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
             os.remove(os.path.join(directory, name))
 
     plan_kwargs = dict(family=family, head_dim=head_dim, quant_algo=quant_algo, kv_cache_fp8=kv_cache_fp8,
-                       tie_word_embeddings=tie_word_embeddings, seed=seed, **dims)
+                       tie_word_embeddings=tie_word_embeddings, seed=seed, **dims, **moe)
     specs = plan_tensors(**plan_kwargs)
     metadata = {"format": "pt"}
     shards = _shards(specs, max_shard_bytes)
@@ -468,7 +521,7 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
 
     config = _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
                         num_key_value_heads, vocab_size, head_dim, tie_word_embeddings, rope_scaling,
-                        max_position_embeddings)
+                        max_position_embeddings, **moe)
     generation = {"_from_model_config": True, "output_attentions": False, "output_hidden_states": False,
                   "transformers_version": TRANSFORMERS_VERSION, "use_cache": True}
     for key in ("bos_token_id", "eos_token_id"):
@@ -481,7 +534,8 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
         if os.path.exists(hq_path):
             os.remove(hq_path)
     else:
-        config["quantization_config"] = _quantization_config(quant_algo, kv_cache_fp8)
+        routers = [f"model.layers.{i}.mlp.gate" for i in range(num_hidden_layers)] if num_experts else []
+        config["quantization_config"] = _quantization_config(quant_algo, kv_cache_fp8, routers)
         _write_json(os.path.join(directory, "config.json"), config, modelopt=True)
-        _write_json(hq_path, _hf_quant_config(quant_algo, kv_cache_fp8), modelopt=True)
+        _write_json(hq_path, _hf_quant_config(quant_algo, kv_cache_fp8, routers), modelopt=True)
     return SyntheticCheckpoint(directory, files, total, len(specs))

@@ -328,3 +328,41 @@ def test_inspect_warns_about_an_absurd_layer_count(tmp_path, capsys):
     assert time.monotonic() - start < 2.0
     assert "warnings:    none" not in out
     assert "num_hidden_layers is 1000000000 but the checkpoint holds no tensor of layer 2" in out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN", None])
+def test_synthetic_exports_of_the_new_families_match_the_oracle(tmp_path, family, algo):
+    """modelopt_jax.synthetic writes Qwen3 and Qwen3-MoE exports (benchmarks need large ones); loaded,
+    they equal the float64 oracle, and per-channel MoE scales survive tensor parallelism (each
+    device's experts get their own slice of every expert's channel scales)."""
+    from modelopt_jax.parallel import make_mesh
+    from modelopt_jax.synthetic import write_checkpoint
+
+    moe = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    write_checkpoint(tmp_path, family=family, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128, quant_algo=algo,
+                     seed=5, **moe)
+    ids = np.random.default_rng(0).integers(0, 128, (2, 10))
+    out = np.asarray(modelopt_jax.load(tmp_path, dtype="float32")(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(out - Reference(str(tmp_path)).forward(ids)).max() <= TOL
+    if family == "qwen3_moe" and len(jax.devices()) >= 2:
+        model = modelopt_jax.load(tmp_path, dtype="float32", mesh=make_mesh(2))
+        tp2 = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+        if algo != "FP8_PER_CHANNEL_PER_TOKEN":
+            np.testing.assert_allclose(tp2, out, atol=1e-4, rtol=0)
+        else:
+            # per-token scales of the row-parallel down projection are each device's own (its slice
+            # of the input), as for dense layers (test_tensor_parallel.py): logits close, not equal.
+            # The column-parallel gate/up's per-expert channel scales are device data: device r holds
+            # rows [r*F/2, (r+1)*F/2) of every expert's gate scales, then the same of its up scales.
+            tensors = read_tensors(tmp_path)
+            gate_up = model.layers[0].mlp.gate_up.col_scale[...]
+            half = 16
+            for shard in gate_up.addressable_shards:
+                r = shard.index[1].start // (2 * half)
+                want = np.stack([np.concatenate([tensors[f"model.layers.0.mlp.experts.{e}.{n}.weight_scale"]
+                                                 [r * half:(r + 1) * half] for n in ("gate_proj", "up_proj")])
+                                 for e in range(16)])
+                np.testing.assert_array_equal(np.asarray(shard.data), want)
+            assert np.abs(tp2 - out).max() <= 1.5
