@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fp8_gemm_problem.h"
+#include "fp8_grouped_gemm_problem.h"
 
 namespace modelopt_jax {
 namespace {
@@ -144,15 +145,16 @@ void Dots(const float* x, const float* w, int64_t kp, float* acc) {
   acc[0] = Total(a0, b0), acc[1] = Total(a1, b1), acc[2] = Total(a2, b2), acc[3] = Total(a3, b3);
 }
 
-ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
-                      ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale, bool has_col_scale,
-                      bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle, int32_t raster) {
-  Fp8GemmProblem p;  // tile, swizzle and raster are validated there and unused here (CUDA kernel choice)
-  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init,
-                                   tile, swizzle, raster, &p);
-      e.failure()) {
-    return e;
+inline void Store(const Fp8GemmProblem& p, int64_t i, float v) {
+  switch (p.out_type) {
+    case OutType::kBF16: static_cast<uint16_t*>(p.out)[i] = ToBF16(v); break;
+    case OutType::kF16: static_cast<uint16_t*>(p.out)[i] = ToF16(v); break;
+    case OutType::kF32: static_cast<float*>(p.out)[i] = v; break;
   }
+}
+
+// The blocked product of one problem; shared by the dense op and each group of the grouped op.
+void RunGemm(const Fp8GemmProblem& p) {
   const float* lut = Table().value;
   const uint8_t* A = static_cast<const uint8_t*>(p.a);
   const uint8_t* B = static_cast<const uint8_t*>(p.b);
@@ -176,15 +178,59 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs ext
           if (p.row_scale) v *= p.row_scale[m];
           if (p.col_scale) v *= p.col_scale[n];
           if (p.bias) v += p.bias[n];
-          const int64_t i = m * p.n + n;
-          switch (p.out_type) {
-            case OutType::kBF16: static_cast<uint16_t*>(p.out)[i] = ToBF16(v); break;
-            case OutType::kF16: static_cast<uint16_t*>(p.out)[i] = ToF16(v); break;
-            case OutType::kF32: static_cast<float*>(p.out)[i] = v; break;
-          }
+          Store(p, m * p.n + n, v);
         }
       }
     }
+  }
+}
+
+ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs extra,
+                      ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale, bool has_col_scale,
+                      bool has_bias, bool has_out_init, int32_t tile, int32_t swizzle, int32_t raster) {
+  Fp8GemmProblem p;  // tile, swizzle and raster are validated there and unused here (CUDA kernel choice)
+  if (auto e = ParseFp8GemmProblem(a, b, extra, *out, alpha, has_row_scale, has_col_scale, has_bias, has_out_init,
+                                   tile, swizzle, raster, &p);
+      e.failure()) {
+    return e;
+  }
+  RunGemm(p);
+  return ffi::Error::Success();
+}
+
+// Each group is a dense problem over its rows and its weight; rows past the groups' sum are zeros.
+ffi::Error Fp8GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, ffi::AnyBuffer col_scale,
+                             ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, bool has_row_scale) {
+  Fp8GroupedGemmProblem g;
+  if (auto e = ParseFp8GroupedGemmProblem(a, b, group_sizes, col_scale, extra, *out, has_row_scale, &g);
+      e.failure()) {
+    return e;
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < g.groups; ++i) {
+    if (g.group_sizes[i] < 0 || total + g.group_sizes[i] > g.m) {
+      return InvalidGrouped("group_sizes must be >= 0 and sum to at most M = " + std::to_string(g.m) + "; group " +
+                            std::to_string(i) + " has " + std::to_string(g.group_sizes[i]) + " rows after " +
+                            std::to_string(total));
+    }
+    total += g.group_sizes[i];
+  }
+  const size_t elem = g.out_type == OutType::kF32 ? 4 : 2;
+  std::memset(static_cast<char*>(g.out) + total * g.n * elem, 0, (g.m - total) * g.n * elem);
+  int64_t offset = 0;
+  for (int64_t i = 0; i < g.groups; ++i) {
+    Fp8GemmProblem p;
+    p.m = g.group_sizes[i];
+    p.n = g.n;
+    p.k = g.k;
+    p.a = static_cast<const uint8_t*>(g.a) + offset * g.k;
+    p.b = static_cast<const uint8_t*>(g.b) + i * g.n * g.k;
+    p.row_scale = g.row_scale ? g.row_scale + offset : nullptr;
+    p.col_scale = g.col_scale + i * g.n;
+    p.out = static_cast<char*>(g.out) + offset * g.n * elem;
+    p.out_type = g.out_type;
+    if (p.m) RunGemm(p);
+    offset += p.m;
   }
   return ffi::Error::Success();
 }
@@ -198,3 +244,6 @@ extern "C" __attribute__((visibility("default"))) int32_t ModeloptFp8GemmCpuVers
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCpu, modelopt_jax::Fp8GemmCpu,
                               modelopt_jax::BindFp8GemmOperands(xla::ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GroupedGemmCpu, modelopt_jax::Fp8GroupedGemmCpu,
+                              modelopt_jax::BindFp8GroupedGemmOperands(xla::ffi::Ffi::Bind()));

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from modelopt_jax.ops.gemm import scaled_fp8_gemm
+from modelopt_jax.ops.grouped_gemm import grouped_fp8_gemm
 from modelopt_jax.ops.quantize import dequantize_blockwise, quantize_per_token, quantize_static
 from modelopt_jax.quant.plan import COLUMN, ROW, LinearPlan, TensorPlan
 
@@ -219,16 +220,17 @@ class Embedding(nnx.Module):
 
 class GroupedLinear(nnx.Module):
     """A sparse layer's experts as one stacked weight [E, N, K]: ``(x [M, K] sorted by expert,
-    group_sizes [E], expert of each row [M]) -> [M, N]``, row m through expert ``expert_of_row[m]``.
+    group_sizes [E]) -> [M, N]``, each expert's rows through its weight only.
 
-    The pure-XLA path: ``jax.lax.ragged_dot`` over the FP8 codes widened to the compute dtype
-    (exact: every e4m3 value is a bf16 value; float32 compute widens to float32), accumulated in
-    float32, then each row scaled by its expert's output-channel factors (``epilogue.col`` [E, N],
-    input and weight scales folded in) and, for per-token activations, its own scale. The quantized
-    input uses the layer's one static input scale, or per-token scales.
+    FP8 experts run :func:`modelopt_jax.ops.grouped_gemm.grouped_fp8_gemm` on the input quantized
+    once (the layer's one static input scale, or per-token scales), each row then scaled by its
+    expert's output-channel factors (``epilogue.col`` [E, N], input and weight scales folded in; a
+    state leaf ``col_scale`` under tensor parallelism). Unquantized experts run ``ragged_dot`` in
+    the compute dtype.
     """
 
-    def __init__(self, plan: LinearPlan, *, dtype=jnp.bfloat16, reduce_axis: str | None = None):
+    def __init__(self, plan: LinearPlan, *, dtype=jnp.bfloat16, backend: str = "auto",
+                 reduce_axis: str | None = None):
         experts = len(plan.parts)
         w_axis = {COLUMN: 1, ROW: 2}.get(plan.role)
         self.weight = _param((experts, plan.padded_out, plan.in_features), plan.weight_dtype, w_axis)
@@ -238,27 +240,23 @@ class GroupedLinear(nnx.Module):
         self.input_scale = plan.input_scale
         self.dtype = jnp.dtype(dtype)
         self.out_dtype = jnp.dtype(plan.out_dtype or dtype)
+        self.backend = backend if backend in ("xla", "ffi") else "auto"  # dense-GEMM backends map to "auto"
         self.logical_out = plan.out_features
         self.reduce_axis = reduce_axis
 
-    def __call__(self, x: jax.Array, group_sizes: jax.Array, expert_of_row: jax.Array) -> jax.Array:
-        wide = jnp.float32 if self.dtype == jnp.float32 else jnp.bfloat16
-        w = jnp.swapaxes(self.weight[...], 1, 2)  # [E, K, N], as ragged_dot takes it
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         if self.epilogue is None:
-            y = jax.lax.ragged_dot(x.astype(self.dtype), w.astype(self.dtype), group_sizes,
-                                   precision=_precision(self.dtype), preferred_element_type=jnp.float32)
+            y = jax.lax.ragged_dot(x.astype(self.dtype), jnp.swapaxes(self.weight[...], 1, 2).astype(self.dtype),
+                                   group_sizes, precision=_precision(self.dtype), preferred_element_type=jnp.float32)
+            y = y.astype(self.out_dtype)
         else:
             if self.epilogue.per_token:
                 x_q, row = quantize_per_token(x)
             else:
                 x_q, row = quantize_static(x, self.input_scale), None
-            acc = jax.lax.ragged_dot(x_q.astype(wide), w.astype(wide), group_sizes,
-                                     precision=_precision(wide), preferred_element_type=jnp.float32)
-            col = self.col_scale[...] if self.col_scale is not None else jnp.asarray(self.epilogue.col.array)
-            y = acc * col[expert_of_row]
-            if row is not None:
-                y = y * row[:, None]
-        y = y.astype(self.out_dtype)
+            col = self.col_scale[...] if self.col_scale is not None else self.epilogue.col.array
+            y = grouped_fp8_gemm(x_q, self.weight[...], group_sizes, col, row=row, out_dtype=self.out_dtype,
+                                 backend=self.backend)
         if self.reduce_axis:
             y = jax.lax.psum(y, self.reduce_axis)
         return y if self.logical_out == y.shape[-1] else y[..., :self.logical_out]

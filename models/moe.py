@@ -68,12 +68,11 @@ class SparseMoE(nnx.Module):
         picks = experts.reshape(-1)                                                 # [T * k]
         order = jnp.argsort(picks, stable=True)        # rows grouped by expert, ascending
         token_of_row = order // self.top_k
-        expert_of_row = picks[order]
         group_sizes = jnp.bincount(picks, length=self.num_experts).astype(jnp.int32)
-        gate_up = self.gate_up(tokens[token_of_row], group_sizes, expert_of_row)
+        gate_up = self.gate_up(tokens[token_of_row], group_sizes)
         gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
         act = (jax.nn.silu(gate.astype(jnp.float32)).astype(self.dtype) * up).astype(self.dtype)
-        rows = self.down(act, group_sizes, expert_of_row)                            # [T * k, hidden]
+        rows = self.down(act, group_sizes)                                           # [T * k, hidden]
         # as transformers: each expert's output scaled by its weight in the compute dtype, then summed
         weighted = (rows * weights.reshape(-1)[order][:, None].astype(self.dtype)).astype(jnp.float32)
         out = jnp.zeros(tokens.shape, jnp.float32).at[token_of_row].add(weighted)

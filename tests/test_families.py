@@ -366,3 +366,17 @@ def test_synthetic_exports_of_the_new_families_match_the_oracle(tmp_path, family
                                  for e in range(16)])
                 np.testing.assert_array_equal(np.asarray(shard.data), want)
             assert np.abs(tp2 - out).max() <= 1.5
+
+
+def test_moe_forward_runs_the_grouped_custom_call_on_cpu(float32_models):
+    """Where the native CPU library is built, the experts run our grouped FFI op (not XLA's ragged_dot)."""
+    from flax import nnx
+    from modelopt_jax.ops import native
+
+    if not native.has_cpu_grouped_handler():
+        pytest.skip("native CPU library with the grouped GEMM handler not built")
+    model = float32_models["mixtral-tiny-fp8"]
+    graph, state = nnx.split(model)
+    ids = jnp.asarray(_ref("mixtral-tiny-fp8")["input_ids"], jnp.int32)
+    text = jax.jit(lambda st, i: nnx.merge(graph, st)(i)).lower(state, ids).as_text()
+    assert text.count("modelopt_fp8_grouped_gemm") >= 2 * model.config.num_hidden_layers  # gate/up and down

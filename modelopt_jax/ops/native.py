@@ -18,6 +18,7 @@ import warnings
 import jax
 
 TARGET = "modelopt_fp8_gemm"
+GROUPED_TARGET = "modelopt_fp8_grouped_gemm"  # a sparse layer's experts (CPU handler; CUDA not built yet)
 PAGED_DECODE_TARGET = "modelopt_paged_decode"
 PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output aliased to a NaN-filled operand
 PAGED_DECODE_WRITE_TARGET = "modelopt_paged_decode_write"  # the decode kernel writing this step's keys/values too
@@ -55,7 +56,12 @@ def _load(path: str, handler: str, platform: str) -> ctypes.CDLL:
 @functools.cache
 def cpu_library() -> ctypes.CDLL | None:
     path = _find(CPU_LIB)
-    return None if path is None else _load(path, "ModeloptFp8GemmCpu", "cpu")
+    if path is None:
+        return None
+    lib = _load(path, "ModeloptFp8GemmCpu", "cpu")
+    if hasattr(lib, "ModeloptFp8GroupedGemmCpu"):  # absent from libraries built before the op existed
+        jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GroupedGemmCpu), platform="cpu")
+    return lib
 
 
 @functools.cache
@@ -100,6 +106,11 @@ def warn_if_gpu_without_kernels() -> None:
 
 def has_cpu_handler() -> bool:
     return cpu_library() is not None
+
+
+def has_cpu_grouped_handler() -> bool:
+    lib = cpu_library()
+    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCpu")
 
 
 def has_fast_cpu_handler() -> bool:

@@ -423,7 +423,7 @@ class Experts(LinearScheme):
         return out
 
     def module(self, plan, *, dtype, backend, reduce_axis):
-        return GroupedLinear(plan, dtype=dtype, reduce_axis=reduce_axis)
+        return GroupedLinear(plan, dtype=dtype, backend=backend, reduce_axis=reduce_axis)
 
 
 def plan_linear(ckpt: Checkpoint, spec: "LinearSpec | ExpertsSpec", tp: int = 1) -> LinearPlan:
