@@ -55,7 +55,9 @@ __all__ = ["write_checkpoint", "write_safetensors", "plan_tensors", "TensorSpec"
 
 QUANT_ALGOS = (None, "FP8", "FP8_PER_CHANNEL_PER_TOKEN")
 FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "mistral": ("MistralForCausalLM", "mistral"), "mixtral": ("MixtralForCausalLM", "mixtral")}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 MODELOPT_VERSION = "0.47.0"  # what the fixtures in shared/fixtures were exported with
 TRANSFORMERS_VERSION = "5.14.1"
 EXCLUDE_MODULES = ["lm_head", "model.embed_tokens"]  # ModelOpt's FP8 default config leaves these bf16
@@ -164,7 +166,8 @@ def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_h
     """The checkpoint's tensors in the exporter's state-dict order (the order shards are filled in).
 
     Qwen3 adds per-head ``q_norm``/``k_norm``; Qwen3-MoE (``num_experts`` > 0) has, in every layer,
-    a bf16 router ``mlp.gate`` [E, hidden] and experts ``mlp.experts.e.{gate,up,down}_proj``, each
+    a bf16 router ``mlp.gate`` [E, hidden] and experts ``mlp.experts.e.{gate,up,down}_proj``
+    (Mixtral: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.e.{w1,w3,w2}``), each
     FP8 with its own weight scale (gate and up share it, as the export of the fused gate_up
     parameter gives) and the layer's one input scale per projection (ModelOpt's shared quantizer).
     """
@@ -204,13 +207,15 @@ def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_h
         if extra_scale:
             f32(f"{prefix}.{extra_scale}", _KV_SCALE * _jitter(_rng(seed, f"{prefix}.{extra_scale}")))
 
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
     def experts(p):  # one shared input scale per projection, one weight scale per expert (gate = up)
         bf16(f"{p}.gate.weight", (num_experts, hidden_size), 1.0 / math.sqrt(hidden_size))
         for e in range(num_experts):
             x = f"{p}.experts.{e}"
-            for name, n, k, group in (("gate_proj", moe_intermediate_size, hidden_size, "gate_up"),
-                                      ("up_proj", moe_intermediate_size, hidden_size, "gate_up"),
-                                      ("down_proj", hidden_size, moe_intermediate_size, "down")):
+            for name, n, k, group in ((names[0], moe_intermediate_size, hidden_size, "gate_up"),
+                                      (names[1], moe_intermediate_size, hidden_size, "gate_up"),
+                                      (names[2], hidden_size, moe_intermediate_size, "down")):
                 sigma = 1.0 / math.sqrt(k)
                 if quant_algo is None:
                     bf16(f"{x}.{name}.weight", (n, k), sigma)
@@ -238,7 +243,7 @@ def plan_tensors(*, family: str, hidden_size: int, intermediate_size: int, num_h
             bf16(f"{p}.self_attn.q_norm.weight", (hd,), 0.1, 1.0)
             bf16(f"{p}.self_attn.k_norm.weight", (hd,), 0.1, 1.0)
         if num_experts:
-            experts(f"{p}.mlp")
+            experts(f"{p}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}")
         else:
             linear(f"{p}.mlp.gate_proj", intermediate_size, hidden_size, False, "gate_up")
             linear(f"{p}.mlp.up_proj", intermediate_size, hidden_size, False, "gate_up")
@@ -381,7 +386,8 @@ def _rope_parameters(rope_scaling: dict | None) -> dict:
 
 def _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
                num_key_value_heads, vocab_size, head_dim, tie_word_embeddings, rope_scaling,
-               max_position_embeddings, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0) -> dict:
+               max_position_embeddings, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+               sliding_window=None) -> dict:
     arch, model_type = FAMILIES[family]
     cfg = {
         "architectures": [arch], "attention_dropout": 0.0, "dtype": "bfloat16", "hidden_act": "silu",
@@ -400,6 +406,13 @@ def _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_at
                     "max_window_layers": 28, "sliding_window": None, "use_sliding_window": False})
         if head_dim and head_dim != hidden_size // num_attention_heads:
             cfg["head_dim"] = head_dim  # Qwen2Config has no head_dim field; written only when it differs
+    elif family in ("mistral", "mixtral"):  # no biases; the experts' width is Mixtral's intermediate_size
+        cfg.update({"bos_token_id": 1, "eos_token_id": 2, "head_dim": head_dim or hidden_size // num_attention_heads,
+                    "sliding_window": sliding_window})
+        if family == "mixtral":
+            cfg.update({"intermediate_size": moe_intermediate_size, "num_experts_per_tok": num_experts_per_tok,
+                        "num_local_experts": num_experts, "output_router_logits": False,
+                        "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0})
     else:  # Qwen3 / Qwen3-MoE: head_dim always written, no q/k/v bias
         cfg.update({"attention_bias": False, "bos_token_id": None, "eos_token_id": None,
                     "head_dim": head_dim or hidden_size // num_attention_heads, "max_window_layers": 28,
@@ -451,7 +464,8 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
                      quant_algo: str | None = "FP8", kv_cache_fp8: bool = False, tie_word_embeddings: bool = False,
                      max_shard_bytes: int | None = None, seed: int = 0, rope_scaling: dict | None = None,
                      max_position_embeddings: int = 4096, workers: int = 1, num_experts: int = 0,
-                     num_experts_per_tok: int = 0, moe_intermediate_size: int = 0) -> SyntheticCheckpoint:
+                     num_experts_per_tok: int = 0, moe_intermediate_size: int = 0,
+                     sliding_window: int | None = None) -> SyntheticCheckpoint:
     """Writes a synthetic Llama/Qwen2 checkpoint in ModelOpt's export layout (see the module doc).
 
     ``quant_algo``: ``"FP8"`` (per-tensor static), ``"FP8_PER_CHANNEL_PER_TOKEN"`` or ``None``
@@ -466,10 +480,13 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
         raise ValueError(f"family {family!r} not supported; choose one of {', '.join(FAMILIES)}")
     moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
                moe_intermediate_size=moe_intermediate_size)
-    if (family == "qwen3_moe") != (num_experts > 0) or (num_experts and not 0 < num_experts_per_tok <= num_experts) \
+    if (family in MOE_FAMILIES) != (num_experts > 0) or (num_experts and not 0 < num_experts_per_tok <= num_experts) \
             or (num_experts and moe_intermediate_size <= 0):
-        raise ValueError(f"family {family!r} with {moe}: qwen3_moe needs num_experts > 0, 0 < num_experts_per_tok <= "
-                         f"num_experts and moe_intermediate_size > 0; the other families take none")
+        raise ValueError(f"family {family!r} with {moe}: {' and '.join(MOE_FAMILIES)} need num_experts > 0, "
+                         f"0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0; the other families "
+                         f"take none")
+    if sliding_window is not None and family not in ("mistral", "mixtral"):
+        raise ValueError(f"sliding_window: only mistral and mixtral checkpoints have one here, not {family!r}")
     quant_algo = quant_algo.upper() if isinstance(quant_algo, str) else quant_algo
     if quant_algo not in QUANT_ALGOS:
         raise ValueError(f"quant_algo {quant_algo!r} not supported; choose one of {QUANT_ALGOS}")
@@ -521,7 +538,7 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
 
     config = _hf_config(family, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
                         num_key_value_heads, vocab_size, head_dim, tie_word_embeddings, rope_scaling,
-                        max_position_embeddings, **moe)
+                        max_position_embeddings, **moe, sliding_window=sliding_window)
     generation = {"_from_model_config": True, "output_attentions": False, "output_hidden_states": False,
                   "transformers_version": TRANSFORMERS_VERSION, "use_cache": True}
     for key in ("bos_token_id", "eos_token_id"):
@@ -534,7 +551,8 @@ def write_checkpoint(directory: str | os.PathLike, *, family: str = "llama", hid
         if os.path.exists(hq_path):
             os.remove(hq_path)
     else:
-        routers = [f"model.layers.{i}.mlp.gate" for i in range(num_hidden_layers)] if num_experts else []
+        block = "block_sparse_moe" if family == "mixtral" else "mlp"
+        routers = [f"model.layers.{i}.{block}.gate" for i in range(num_hidden_layers)] if num_experts else []
         config["quantization_config"] = _quantization_config(quant_algo, kv_cache_fp8, routers)
         _write_json(os.path.join(directory, "config.json"), config, modelopt=True)
         _write_json(hq_path, _hf_quant_config(quant_algo, kv_cache_fp8, routers), modelopt=True)

@@ -330,7 +330,7 @@ def test_inspect_warns_about_an_absurd_layer_count(tmp_path, capsys):
     assert "num_hidden_layers is 1000000000 but the checkpoint holds no tensor of layer 2" in out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mistral", "mixtral"])
 @pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN", None])
 def test_synthetic_exports_of_the_new_families_match_the_oracle(tmp_path, family, algo):
     """modelopt_jax.synthetic writes Qwen3 and Qwen3-MoE exports (benchmarks need large ones); loaded,
@@ -339,7 +339,10 @@ def test_synthetic_exports_of_the_new_families_match_the_oracle(tmp_path, family
     from modelopt_jax.parallel import make_mesh
     from modelopt_jax.synthetic import write_checkpoint
 
-    moe = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    moe = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32) if family in ("qwen3_moe",
+                                                                                            "mixtral") else {}
+    if family in ("mistral", "mixtral"):
+        moe["sliding_window"] = 6  # shorter than the 10-token rows
     write_checkpoint(tmp_path, family=family, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128, quant_algo=algo,
                      seed=5, **moe)

@@ -216,8 +216,11 @@ def test_config_options(tmp_path):
     assert (mc.head_dim, mc.rope.rope_type, mc.rope.factor, mc.rope.theta) == (16, "llama3", 8.0, 500000.0)
     assert mc.tie_word_embeddings and not ckpt.has("lm_head.weight")
     assert ckpt.info("model.layers.0.self_attn.q_proj.weight").shape == (64, 96)
-    for bad in [dict(quant_algo=None, kv_cache_fp8=True), dict(quant_algo="NVFP4"), dict(family="mistral"),
-                dict(num_key_value_heads=3)]:
+    for bad in [dict(quant_algo=None, kv_cache_fp8=True), dict(quant_algo="NVFP4"), dict(family="gemma"),
+                dict(num_key_value_heads=3), dict(family="mixtral"),  # an MoE family without experts
+                dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),  # experts in a dense family
+                dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+                dict(sliding_window=4)]:  # a window in a family without one
         with pytest.raises(ValueError):
             synthetic.write_checkpoint(tmp_path / "bad", **{**TINY, **bad})
 
