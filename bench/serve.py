@@ -40,6 +40,13 @@ COPY_BANDWIDTH = 4.3e12
 PREFILL_CHUNK = 256  # the static peer's prompt positions per prefill call
 PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256),
+           # Qwen3-30B-A3B's shapes (issue 30's end-to-end benchmark): 128 experts, top-8, every layer sparse
+           "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+           "tiny-moe": dict(family="qwen3_moe", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, num_experts=16,
+                            num_experts_per_tok=4, moe_intermediate_size=128),
            "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=512)}  # a smoke test of this script on a CPU
 
@@ -52,8 +59,8 @@ def write_preset(checkpoint: str, preset: str) -> None:
     from modelopt_jax.synthetic import write_checkpoint
 
     t = time.perf_counter()
-    write_checkpoint(checkpoint, family="llama", max_shard_bytes=5 << 30, workers=os.cpu_count() or 1,
-                     **PRESETS[preset])
+    preset = {"family": "llama", **PRESETS[preset]}
+    write_checkpoint(checkpoint, max_shard_bytes=5 << 30, workers=os.cpu_count() or 1, **preset)
     print(f"wrote {checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
