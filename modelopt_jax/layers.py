@@ -203,6 +203,18 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
 
 
+class Router(nnx.Module):
+    """An MoE layer's router: its weight [num_experts, hidden] in the checkpoint's dtype (replicated under TP)."""
+
+    def __init__(self, plan: TensorPlan):
+        self.weight = _param(plan.shape, plan.dtype, None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Float32 router logits [..., num_experts] (neither input nor weight is quantized)."""
+        return jax.lax.dot_general(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
+                                   (((x.ndim - 1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+
+
 class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden] in the checkpoint dtype; can also act as a tied lm_head."""
 

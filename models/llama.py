@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from modelopt_jax import parallel
 from modelopt_jax.checkpoint import ModelConfig
 from modelopt_jax.kv_cache import KVCache, KVCacheSpec, LayerKVSpec, PagedKVCache
-from modelopt_jax.layers import Embedding, RMSNorm
-from modelopt_jax.models.moe import Router, SparseMoE
+from modelopt_jax.layers import Embedding, RMSNorm, Router
+from modelopt_jax.models.moe import SparseMoE
 from modelopt_jax.models.rope import apply_rope, inverse_frequencies
 from modelopt_jax.ops.attention import causal_attention, step_attention
 from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, dense_rows_step

@@ -3,7 +3,7 @@
 Routing is ModelOpt's and transformers' (the router is excluded from quantization): float32 router
 logits from the unquantized router weight, softmax, top-k, optionally renormalised to sum to 1
 (Mixtral always, Qwen3-MoE when ``norm_topk_prob``); the output is each picked expert's SwiGLU
-weighted by its probability, summed in ascending order of expert id.
+weighted by its probability, the k weighted outputs of a token added in float32.
 
 The experts of a layer are two stacked layers (:class:`~modelopt_jax.layers.GroupedLinear`): every
 expert's fused gate/up [E, 2F, H] and every expert's down [E, H, F]. Each token's k picks become k
@@ -19,20 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from modelopt_jax.layers import _param
-from modelopt_jax.quant.plan import TensorPlan
-
-
-class Router(nnx.Module):
-    """The router's weight [num_experts, hidden] in the checkpoint's dtype (replicated under TP)."""
-
-    def __init__(self, plan: TensorPlan):
-        self.weight = _param(plan.shape, plan.dtype, None)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Float32 router logits [..., num_experts] (neither input nor weight is quantized)."""
-        return jax.lax.dot_general(x.astype(jnp.float32), self.weight[...].astype(jnp.float32),
-                                   (((x.ndim - 1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+from modelopt_jax.layers import Router
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
