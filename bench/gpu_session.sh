@@ -3,7 +3,7 @@
 # Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
-#                             [prefill-tests] [attn-prefill]
+#                             [prefill-tests] [attn-prefill] [grouped-tests] [grouped-bench ARGS...]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
 #                                    [noprefix] [engine K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
@@ -19,6 +19,8 @@
 #   vLLM imports.
 # serve ... profile: the CUPTI kernel tables of the workloads in PROFILE_WORKLOADS (default a; b256: 256 rows
 #   of 700 tokens, (b)'s steady state).
+# grouped-tests / grouped-bench: the grouped FP8 GEMM's tests (GPU and CPU ones, on the GPU);
+#   bench/grouped_gemm.py with ARGS (ours, XLA's paths and torch in the same run).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
 # prefill-tests / attn-prefill: the prefill kernel's tests; its GPU time on the engine's prompt-step shapes vs XLA.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
@@ -75,6 +77,11 @@ print('memcheck sample done')
       python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
     bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done
       python3 bench/gemm.py --json "$OUT/bench.json" "${args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
+    grouped-tests) shift
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_grouped_gemm.py tests/test_grouped_gemm.py 2>&1 \
+        | tee "$OUT/grouped_tests.log" | tail -25 ;;
+    grouped-bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tests ] && [ "$1" != grouped-tests ]; do args+=("$1"); shift; done
+      python3 bench/grouped_gemm.py "${args[@]}" 2>&1 | tee "$OUT/grouped_bench.log" | tail -80 ;;
     wc-tests) shift
       python3 -m pytest -q -p no:cacheprovider -s tests/test_weight_cache.py tests/test_weight_cache_gpu.py \
         tests/test_dlpack_view.py 2>&1 | tee "$OUT/wc_tests.log" | tail -25 ;;

@@ -1,20 +1,29 @@
-"""The grouped FP8 GEMM of a sparse layer's experts: our op's backends side by side, per token count.
+"""The grouped FP8 GEMM of a sparse layer's experts: our op beside XLA's paths and torch, per token count.
 
-    python bench/grouped_gemm.py [--shape qwen3-30b-a3b|mixtral-8x7b|small] [--tokens 1,8,64,512,2048]
-                                 [--routing uniform|skewed] [--backends xla,ffi] [--repeats 5]
+    python bench/grouped_gemm.py [--shape qwen3-30b-a3b,mixtral-8x7b] [--proj gate_up,down]
+                                 [--tokens 1,8,64,512,2048,8192] [--routing uniform,skewed]
+                                 [--backends ffi,xla,xla-loop,torch] [--tile -1] [--repeats 5]
 
-Rows are the tokens' top-k picks sorted by expert (what models/moe.py feeds the op); times are the
-median of ``--repeats`` calls of the jitted op (bf16 output), after one warm-up call. On a GPU the
-``ffi`` backend has no CUDA handler yet (the CUTLASS grouped GEMM is not built): run ``xla`` there.
+Rows are the tokens' top-k picks sorted by expert (what models/moe.py feeds the op), bf16 output,
+static scales (a per-expert column factor). Backends:
+- ``ffi``: our ``modelopt_fp8_grouped_gemm`` (CUTLASS grouped GEMM on CUDA, the C++ handler on CPU);
+- ``xla``: ``jax.lax.ragged_dot`` over the codes widened to bf16 (the op's ``backend="xla"``);
+- ``xla-loop``: one XLA FP8 dot per expert over every row, rows of other experts masked off (the
+  dense path a JAX user writes without a grouped op; E times the work, one weight read per expert;
+  run for up to 16 experts);
+- ``torch``: ``torch._scaled_grouped_mm`` (CUTLASS grouped GEMM in PyTorch, row-wise scales), else a
+  loop of ``torch._scaled_mm`` over the non-empty experts.
+On a GPU each JAX time is device-side (bench/timing.py: R distinct operand sets in one program, so
+weights stream from HBM, not L2); torch uses CUDA events over the same rotation. TB/s counts the
+weight bytes of the experts the tokens touch plus activations and output. The ratio columns are ours
+over the best XLA path and over torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,43 +31,145 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import repetitions, time_jax, time_torch  # noqa: E402
 from modelopt_jax.ops.grouped_gemm import grouped_fp8_gemm  # noqa: E402
 
-# experts, top-k, hidden, expert intermediate (gate/up N = 2 x intermediate, K = hidden)
+# experts, top-k, hidden, expert intermediate
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "small": (64, 8, 512, 256)}
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def _dims(shape: str, proj: str):
+    experts, top_k, hidden, inter = SHAPES[shape]
+    n, k = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+    return experts, top_k, n, k
+
+
+def _routing(rng, tokens, experts, top_k, routing):
+    p = None
+    if routing == "skewed":  # expert e picked with weight (E - e)^2: a few hot experts, a long tail
+        weights = np.arange(experts, 0, -1.0) ** 2
+        p = weights / weights.sum()
+    picks = np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(tokens)]).reshape(-1)
+    return np.bincount(picks, minlength=experts).astype(np.int32), len(picks)
+
+
+def _xla_loop(x, w, sizes, col):
+    """Every expert's FP8 dot over all rows (XLA's FP8 GEMM), each row keeping its own expert's result."""
+    m = x.shape[0]
+    group_of_row = jnp.repeat(jnp.arange(w.shape[0], dtype=jnp.int32), sizes, total_repeat_length=m)
+    valid = jnp.arange(m) < jnp.sum(sizes)
+    out = jnp.zeros((m, w.shape[1]), jnp.float32)
+    for g in range(w.shape[0]):
+        acc = jax.lax.dot_general(x, w[g], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        out = jnp.where(((group_of_row == g) & valid)[:, None], acc * col[g], out)
+    return out.astype(jnp.bfloat16)
+
+
+def _torch_fn(n_experts):
+    import torch
+
+    def grouped(x, w, offs, scale_a, scale_b):
+        return torch._scaled_grouped_mm(x, w.transpose(-2, -1), scale_a, scale_b, offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def loop(x, w, offs, scale_a, scale_b):
+        outs, start = [], 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                outs.append(torch._scaled_mm(x[start:end], w[g].t(), scale_a=scale_a[start:end, None],
+                                             scale_b=scale_b[g][None, :], out_dtype=torch.bfloat16,
+                                             use_fast_accum=True))
+            start = end
+        return torch.cat(outs)
+
+    return grouped if hasattr(torch, "_scaled_grouped_mm") else loop, loop
+
+
+def _time_torch(w_np, x_np, sizes, col, reps):
+    import torch
+
+    dev = torch.device("cuda")
+    ws = [torch.from_numpy(w_np.view(np.uint8)).to(dev).view(torch.float8_e4m3fn) for _ in range(reps)]
+    m = x_np.shape[0]
+    pad = (-m) % 16  # torch's grouped kernel wants row counts in multiples of 16 per tensor
+    x = torch.from_numpy(np.concatenate([x_np, np.zeros((pad, x_np.shape[1]), E4M3)]).view(np.uint8))
+    x = x.to(dev).view(torch.float8_e4m3fn)
+    offs = torch.from_numpy(np.cumsum(sizes).astype(np.int32)).to(dev)
+    scale_a = torch.ones(m + pad, dtype=torch.float32, device=dev)
+    scale_b = torch.from_numpy(col).to(dev)
+    grouped, loop = _torch_fn(len(sizes))
+    for fn, name in ((grouped, "torch._scaled_grouped_mm"), (loop, "torch._scaled_mm loop")):
+        try:
+            out = fn(x, ws[0], offs, scale_a, scale_b)
+            torch.cuda.synchronize()
+            if out.shape[0] < int(sizes.sum()):
+                raise RuntimeError(f"returned {tuple(out.shape)}")
+            t = time_torch(lambda xx, ww: fn(xx, ww, offs, scale_a, scale_b), [x] * reps, ws)
+            return t, name
+        except Exception as e:  # noqa: BLE001 -- an unsupported torch path is reported, the next one tried
+            print(f"    ({name} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    return None, None
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
-    ap.add_argument("--tokens", default="1,8,64,512")
-    ap.add_argument("--routing", default="uniform", choices=["uniform", "skewed"])
-    ap.add_argument("--backends", default="xla,ffi")
+    ap.add_argument("--shape", default="qwen3-30b-a3b,mixtral-8x7b")
+    ap.add_argument("--proj", default="gate_up,down")
+    ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
+    ap.add_argument("--routing", default="uniform,skewed")
+    ap.add_argument("--backends", default="ffi,xla,xla-loop,torch")
+    ap.add_argument("--tile", type=int, default=-1, help="our CUDA configuration (-1: the handler's choice)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    experts, top_k, hidden, inter = SHAPES[args.shape]
-    rng = np.random.default_rng(0)
-    w = rng.normal(0, 60, (experts, 2 * inter, hidden)).astype(ml_dtypes.float8_e4m3fn)  # gate/up of every expert
-    col = np.full((experts, 2 * inter), 1e-3, np.float32)
-    w_dev = jax.device_put(w)
-    print(f"device {jax.devices()[0].device_kind}; shape {args.shape}: {experts} experts, top-{top_k}, "
-          f"gate/up [{2 * inter}, {hidden}]; routing {args.routing}")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        p = None if args.routing == "uniform" else np.arange(experts, 0, -1.0) ** 2 / np.sum(np.arange(experts, 0, -1.0) ** 2)
-        picks = np.stack([rng.choice(experts, top_k, replace=False, p=p) for _ in range(tokens)]).reshape(-1)
-        sizes = np.bincount(picks, minlength=experts).astype(np.int32)
-        x = jax.device_put(rng.normal(0, 60, (len(picks), hidden)).astype(ml_dtypes.float8_e4m3fn))
-        line = [f"tokens {tokens:5d} (rows {len(picks)})"]
-        for backend in args.backends.split(","):
-            f = jax.jit(lambda x, w, g, c, b=backend: grouped_fp8_gemm(x, w, g, c, out_dtype=jnp.bfloat16, backend=b))
-            f(x, w_dev, sizes, col).block_until_ready()
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                f(x, w_dev, sizes, col).block_until_ready()
-                times.append(time.perf_counter() - start)
-            line.append(f"{backend} {statistics.median(times) * 1e3:9.2f} ms")
-        print("  ".join(line))
+    backends = args.backends.split(",")
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    for shape in args.shape.split(","):
+        for proj in args.proj.split(","):
+            experts, top_k, n, k = _dims(shape, proj)
+            rng = np.random.default_rng(0)
+            w = rng.normal(0, 60, (experts, n, k)).clip(-448, 448).astype(E4M3)
+            col = rng.uniform(1e-4, 1e-3, (experts, n)).astype(np.float32)
+            reps = repetitions(w.nbytes, 8)
+            ws = [jax.device_put(w) for _ in range(reps)]
+            print(f"{shape} {proj}: {experts} experts, top-{top_k}, w [{n}, {k}] per expert, {reps} weight copies")
+            for routing in args.routing.split(","):
+                for tokens in [int(t) for t in args.tokens.split(",")]:
+                    sizes, m = _routing(rng, tokens, experts, top_k, routing)
+                    x = rng.normal(0, 60, (m, k)).clip(-448, 448).astype(E4M3)
+                    xs = [jax.device_put(x) for _ in range(reps)]
+                    touched = int((sizes > 0).sum())
+                    moved = touched * n * k + m * k + m * n * 2
+                    times = {}
+                    for backend in backends:
+                        if backend == "torch":
+                            if jax.default_backend() != "gpu":
+                                continue
+                            t, name = _time_torch(w, x, sizes, col, reps)
+                            if t is not None:
+                                times["torch"] = t
+                            continue
+                        if backend == "xla-loop" and experts > 16:
+                            continue  # one dot per expert: E x the work, and minutes to compile at 128 experts
+                        if backend == "xla-loop":
+                            fn = lambda xx, ww: _xla_loop(xx, ww, sizes, col)  # noqa: E731
+                        else:
+                            fn = lambda xx, ww, b=backend: grouped_fp8_gemm(  # noqa: E731
+                                xx, ww, sizes, col, out_dtype=jnp.bfloat16, backend=b,
+                                tile=args.tile if b == "ffi" else -1)
+                        times[backend] = time_jax(fn, xs, ws, args.repeats)
+                    line = [f"  {routing:7s} tokens {tokens:5d} rows {m:6d} experts hit {touched:3d}"]
+                    line += [f"{b} {t * 1e6:9.1f} us" for b, t in times.items()]
+                    if "ffi" in times:
+                        line.append(f"ffi {moved / times['ffi'] / 1e12:.2f} TB/s "
+                                    f"{2 * m * n * k / times['ffi'] / 1e12:.0f} TFLOP/s")
+                        xla_best = min((t for b, t in times.items() if b.startswith("xla")), default=None)
+                        if xla_best:
+                            line.append(f"vs best XLA {xla_best / times['ffi']:.2f}x")
+                        if "torch" in times:
+                            line.append(f"vs torch {times['torch'] / times['ffi']:.2f}x")
+                    print("  ".join(line), flush=True)
+                    del xs
 
 
 if __name__ == "__main__":

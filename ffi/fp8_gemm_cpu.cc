@@ -200,9 +200,10 @@ ffi::Error Fp8GemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs ext
 
 // Each group is a dense problem over its rows and its weight; rows past the groups' sum are zeros.
 ffi::Error Fp8GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, ffi::AnyBuffer col_scale,
-                             ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, bool has_row_scale) {
+                             ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, bool has_row_scale,
+                             int32_t tile) {
   Fp8GroupedGemmProblem g;
-  if (auto e = ParseFp8GroupedGemmProblem(a, b, group_sizes, col_scale, extra, *out, has_row_scale, &g);
+  if (auto e = ParseFp8GroupedGemmProblem(a, b, group_sizes, col_scale, extra, *out, has_row_scale, tile, &g);
       e.failure()) {
     return e;
   }

@@ -8,7 +8,7 @@
 // sizes, empty groups included, without recompiling; rows past their sum are written as zeros.
 // col_scale [G, N] float32: each group's output-channel factors (its input and weight scales folded
 // in). row_scale [M] float32 is optional (per-token activation scales, announced by has_row_scale).
-// The CPU handler and a CUDA handler share this parser, so both accept and reject the same calls.
+// The CPU handler and the CUDA handler (cuda/fp8_grouped_gemm_cuda.cu) share this parser, so both accept and reject the same calls.
 #ifndef MODELOPT_JAX_FFI_FP8_GROUPED_GEMM_PROBLEM_H_
 #define MODELOPT_JAX_FFI_FP8_GROUPED_GEMM_PROBLEM_H_
 
@@ -29,6 +29,7 @@ struct Fp8GroupedGemmProblem {
   const float* row_scale = nullptr;      // [m] or null
   void* out = nullptr;
   OutType out_type = OutType::kBF16;
+  int tile = -1;  // CUDA: compiled grouped configuration index; -1 = choose by rows per group
 };
 
 inline ffi::Error InvalidGrouped(const std::string& what) {
@@ -37,7 +38,10 @@ inline ffi::Error InvalidGrouped(const std::string& what) {
 
 inline ffi::Error ParseFp8GroupedGemmProblem(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes,
                                              ffi::AnyBuffer col_scale, ffi::RemainingArgs extra, ffi::AnyBuffer out,
-                                             bool has_row_scale, Fp8GroupedGemmProblem* p) {
+                                             bool has_row_scale, int32_t tile, Fp8GroupedGemmProblem* p) {
+  // The upper bound of tile depends on the device's kernel table; the CUDA handler checks it.
+  if (tile < -1) return InvalidGrouped("tile must be -1 (choose) or a configuration index, got " + std::to_string(tile));
+  p->tile = tile;
   auto ad = a.dimensions(), bd = b.dimensions(), gd = group_sizes.dimensions(), cd = col_scale.dimensions(),
        od = out.dimensions();
   if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN) {
@@ -92,7 +96,8 @@ auto BindFp8GroupedGemmOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // col_scale [G, N] float32
       .RemainingArgs()                           // row_scale [M] (optional)
       .template Ret<ffi::AnyBuffer>()            // out [M, N]
-      .template Attr<bool>("has_row_scale");
+      .template Attr<bool>("has_row_scale")
+      .template Attr<int32_t>("tile");            // CUDA configuration (-1: by rows per group); CPU ignores it
 }
 
 }  // namespace modelopt_jax

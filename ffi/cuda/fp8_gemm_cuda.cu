@@ -5,47 +5,14 @@
 // ffi::Error; nothing aborts the process.
 #include <cuda_runtime_api.h>
 
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "../fp8_gemm_problem.h"
+#include "device_info.h"
 #include "gemm_launch.h"
 
 namespace modelopt_jax::cuda {
 namespace {
-
-struct DeviceInfo {
-  int major = 0, minor = 0, sm_count = 0;
-};
-
-// Compute capability and SM count of `device`, queried once per device.
-// Returned by value: another device's thread may resize the cache (moving its elements) as soon
-// as the lock is released, so a reference into it could dangle.
-DeviceInfo GetDeviceInfo(int device) {
-  static std::mutex mu;
-  static std::vector<DeviceInfo> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(cache.size())) cache.resize(device + 1);
-  DeviceInfo& info = cache[device];
-  if (info.major == 0) {
-    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device);
-    cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device);
-  }
-  return info;
-}
-
-const char* StatusText(LaunchStatus s) {
-  switch (s) {
-    case LaunchStatus::kOk: return "ok";
-    case LaunchStatus::kCannotImplement: return "CUTLASS cannot implement this problem (alignment: K % 16, N % 8)";
-    case LaunchStatus::kWorkspace: return "this configuration needs a workspace, which is not supported";
-    case LaunchStatus::kInitialize: return "CUTLASS initialize failed";
-    case LaunchStatus::kRun: return "CUTLASS run failed";
-  }
-  return "unknown";
-}
 
 ffi::Error Fp8GemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                        ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> out, float alpha, bool has_row_scale,

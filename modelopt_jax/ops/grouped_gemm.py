@@ -9,10 +9,15 @@ recompiling. Backends:
   (exact either way: every e4m3 value is a bf16 value, and their products fit float32), float32
   accumulation, then the scales. XLA:CPU lowers ragged_dot to one masked product per group, G times
   the work of the rows themselves.
-- ``"ffi"``: the ``modelopt_fp8_grouped_gemm`` custom call; its CPU handler (ffi/fp8_gemm_cpu.cc)
-  multiplies each group's rows by that group's weight only. (No CUDA handler yet: CUTLASS's grouped
-  GEMM is the next step, see README.)
-- ``"auto"``: the FFI handler on CPU where the library has it, XLA elsewhere.
+- ``"ffi"``: the ``modelopt_fp8_grouped_gemm`` custom call. On CUDA, CUTLASS's sm90a grouped
+  (pointer-array) GEMM (ffi/cuda/fp8_grouped_gemm_kernel.cuh): a setup kernel turns the device group
+  sizes into the per-group problem table, so routing never reaches the host. On CPU the C++ handler
+  (ffi/fp8_gemm_cpu.cc) multiplies each group's rows by that group's weight only. Invalid sizes
+  (negative, or summing past M) are a typed error on CPU; on CUDA they cannot be reported from the
+  device, and the output is all NaN instead.
+- ``"auto"``: chosen per platform at lowering: the CUDA handler where the library has it and the call
+  qualifies (bfloat16/float16 output, K % 16 == 0, N % 8 == 0), the CPU handler where built, XLA
+  elsewhere.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ import numpy as np
 
 from modelopt_jax.errors import BackendUnavailableError
 from modelopt_jax.ops import native
+from modelopt_jax.ops.alignment import cutlass_can_run
 
 BACKENDS = ("auto", "xla", "ffi")
 
 
 def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col, *, row: jax.Array | None = None,
-                     out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
+                     out_dtype=jnp.bfloat16, backend: str = "auto", tile: int = -1) -> jax.Array:
     """``x_q`` [M, K] and ``w_q`` [G, N, K] float8_e4m3fn, ``group_sizes`` [G] int32, ``col`` [G, N]
-    float32 (a constant numpy array or a device array), ``row`` [M] float32 or None -> [M, N]."""
+    float32 (a constant numpy array or a device array), ``row`` [M] float32 or None -> [M, N].
+    ``tile`` names a compiled CUDA configuration (:func:`native.grouped_config_names`; benchmarks),
+    -1 lets the handler choose by rows per group."""
     if x_q.dtype != jnp.float8_e4m3fn or w_q.dtype != jnp.float8_e4m3fn:
         raise TypeError(f"grouped_fp8_gemm expects float8_e4m3fn operands, got {x_q.dtype} and {w_q.dtype}")
     if x_q.ndim != 2 or w_q.ndim != 3 or x_q.shape[1] != w_q.shape[2]:
@@ -48,17 +56,33 @@ def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col
             None if row is None else row.astype(jnp.float32))
     if backend == "xla":
         return _xla(*args, out_dtype=out_dtype)
-    has_ffi = native.has_cpu_grouped_handler()
+    ffi = lambda *a: _ffi(*_unpack(a, row), out_dtype=out_dtype, tile=tile)  # noqa: E731
+    xla = lambda *a: _xla(*_unpack(a, row), out_dtype=out_dtype)  # noqa: E731
+    operands = [a for a in args if a is not None]
     if backend == "ffi":
-        if not has_ffi:
-            raise BackendUnavailableError("grouped GEMM backend 'ffi': the native CPU library with "
-                                          "ModeloptFp8GroupedGemmCpu was not found (reinstall with `pip install .`)")
-        return _ffi(*args, out_dtype=out_dtype)
-    if not has_ffi:
-        return _xla(*args, out_dtype=out_dtype)
-    return jax.lax.platform_dependent(*[a for a in args if a is not None],
-                                      cpu=lambda *a: _ffi(*_unpack(a, row), out_dtype=out_dtype),
-                                      default=lambda *a: _xla(*_unpack(a, row), out_dtype=out_dtype))
+        on_gpu = jax.default_backend() == "gpu"
+        if not (native.has_cuda_grouped_handler() if on_gpu else native.has_cpu_grouped_handler()):
+            where = "CUDA library with ModeloptFp8GroupedGemmCuda" if on_gpu else \
+                "CPU library with ModeloptFp8GroupedGemmCpu"
+            raise BackendUnavailableError(f"grouped GEMM backend 'ffi': the native {where} was not found "
+                                          "(reinstall with `pip install .`)")
+        if on_gpu and not _cuda_qualifies(w_q, out_dtype):
+            raise ValueError(f"grouped_fp8_gemm backend 'ffi' on CUDA needs bfloat16/float16 output, K % 16 == 0 "
+                             f"and N % 8 == 0; got out {jnp.dtype(out_dtype)}, w {w_q.shape}")
+        return ffi(*operands)
+    branches = {}
+    if native.has_cuda_grouped_handler() and _cuda_qualifies(w_q, out_dtype):
+        branches["cuda"] = ffi
+    if native.has_cpu_grouped_handler():
+        branches["cpu"] = ffi
+    if not branches:
+        return xla(*operands)
+    return jax.lax.platform_dependent(*operands, **branches, default=xla)
+
+
+def _cuda_qualifies(w_q, out_dtype) -> bool:
+    _, n, k = w_q.shape
+    return jnp.dtype(out_dtype) in (jnp.bfloat16, jnp.float16) and cutlass_can_run(n, k)
 
 
 def _unpack(operands, row):
@@ -78,11 +102,11 @@ def _xla(x_q, w_q, group_sizes, col, row, *, out_dtype):
     return y.astype(out_dtype)
 
 
-def _ffi(x_q, w_q, group_sizes, col, row, *, out_dtype):
+def _ffi(x_q, w_q, group_sizes, col, row, *, out_dtype, tile=-1):
     operands = [x_q, w_q, group_sizes, col] + ([] if row is None else [row])
     call = jax.ffi.ffi_call(native.GROUPED_TARGET, jax.ShapeDtypeStruct((x_q.shape[0], w_q.shape[1]), out_dtype),
                             vmap_method="broadcast_all")
-    return call(*operands, has_row_scale=row is not None)
+    return call(*operands, has_row_scale=row is not None, tile=np.int32(tile))
 
 
 def reference(x_q: np.ndarray, w_q: np.ndarray, group_sizes: np.ndarray, col: np.ndarray,

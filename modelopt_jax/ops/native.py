@@ -18,7 +18,7 @@ import warnings
 import jax
 
 TARGET = "modelopt_fp8_gemm"
-GROUPED_TARGET = "modelopt_fp8_grouped_gemm"  # a sparse layer's experts (CPU handler; CUDA not built yet)
+GROUPED_TARGET = "modelopt_fp8_grouped_gemm"  # a sparse layer's experts
 PAGED_DECODE_TARGET = "modelopt_paged_decode"
 PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output aliased to a NaN-filled operand
 PAGED_DECODE_WRITE_TARGET = "modelopt_paged_decode_write"  # the decode kernel writing this step's keys/values too
@@ -74,6 +74,9 @@ def cuda_library() -> ctypes.CDLL | None:
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
         warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
+    if hasattr(lib, "ModeloptFp8GroupedGemmCuda"):  # absent from libraries built before the op existed
+        jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GroupedGemmCuda),
+                                    platform="CUDA")
     if hasattr(lib, "ModeloptPagedDecodeCuda"):  # absent from libraries built before the kernel existed
         jax.ffi.register_ffi_target(PAGED_DECODE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeCuda),
                                     platform="CUDA")
@@ -124,6 +127,11 @@ def has_cuda_handler() -> bool:
     return cuda_library() is not None
 
 
+def has_cuda_grouped_handler() -> bool:
+    lib = cuda_library()
+    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCuda")
+
+
 def has_paged_decode_kernel() -> bool:
     lib = cuda_library()
     return lib is not None and hasattr(lib, "ModeloptPagedDecodeCuda")
@@ -158,3 +166,18 @@ def config_name(index: int, major: int | None = None) -> str:
     buf = ctypes.create_string_buffer(128)
     lib.ModeloptFp8GemmConfigName(major, index, buf, 128)
     return buf.value.decode()
+
+
+def grouped_config_names(major: int | None = None) -> list[str]:
+    """Names of the compiled grouped-GEMM configurations for compute capability ``major`` (default:
+    device 0), in the order the ``tile`` attribute indexes them."""
+    lib = cuda_library()
+    if lib is None or not hasattr(lib, "ModeloptFp8GroupedGemmConfigName"):
+        return []
+    major = _major(major)
+    names = []
+    for index in range(int(lib.ModeloptFp8GroupedGemmConfigName(major, 0, None, 0))):
+        buf = ctypes.create_string_buffer(128)
+        lib.ModeloptFp8GroupedGemmConfigName(major, index, buf, 128)
+        names.append(buf.value.decode())
+    return names

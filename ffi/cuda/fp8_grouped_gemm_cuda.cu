@@ -1,0 +1,116 @@
+// XLA FFI handler of the modelopt_fp8_grouped_gemm op on CUDA: validates the call (the parser the
+// CPU handler uses), picks a grouped tile configuration by rows per group (or the one `tile`
+// names, for tuning), takes the configuration's workspace from XLA's scratch allocator and
+// launches setup, GEMM and tail on XLA's stream (fp8_grouped_gemm_kernel.cuh). Every failure
+// returns an ffi::Error; nothing aborts the process.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "../fp8_grouped_gemm_problem.h"
+#include "device_info.h"
+#include "grouped_launch.h"
+
+namespace modelopt_jax::cuda {
+namespace {
+
+ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::AnyBuffer group_sizes, ffi::AnyBuffer col_scale, ffi::RemainingArgs extra,
+                              ffi::Result<ffi::AnyBuffer> out, bool has_row_scale, int32_t tile) {
+  Fp8GroupedGemmProblem p;
+  if (auto e = ParseFp8GroupedGemmProblem(a, b, group_sizes, col_scale, extra, *out, has_row_scale, tile, &p);
+      e.failure()) {
+    return e;
+  }
+  if (p.out_type == OutType::kF32) return InvalidGrouped("the CUDA kernels write bfloat16 or float16, not float32");
+  if (p.k % 16 != 0 || p.n % 8 != 0) {
+    return InvalidGrouped("K (" + std::to_string(p.k) + ") must be a multiple of 16 and N (" + std::to_string(p.n) +
+                          ") of 8 for the CUDA kernels (the rule by which backend 'auto' picks them)");
+  }
+  if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX || p.groups > INT32_MAX) {
+    return InvalidGrouped("dimensions must fit int32");
+  }
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  const size_t out_bytes = static_cast<size_t>(p.m) * p.n * 2;
+  if (p.groups == 0) {  // no group: every row is past the (empty) sum
+    return cudaMemsetAsync(p.out, 0, out_bytes, stream) == cudaSuccess
+               ? ffi::Error::Success()
+               : ffi::Error::Internal("modelopt_fp8_grouped_gemm: cudaMemsetAsync failed");
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    return ffi::Error::Internal("modelopt_fp8_grouped_gemm: cudaGetDevice failed");
+  }
+  const DeviceInfo info = GetDeviceInfo(device);
+  const GroupedKernelConfig* table = nullptr;
+  int count = 0, chosen = -1;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  const int groups = static_cast<int>(p.groups);
+#ifdef MODELOPT_JAX_HAVE_SM90
+  if (info.major == 9) {
+    table = kSm90GroupedConfigs, count = kNumSm90GroupedConfigs, chosen = ChooseSm90GroupedConfig(m, n, k, groups);
+  }
+#endif
+  if (table == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "modelopt_fp8_grouped_gemm: no grouped kernel compiled for compute capability " +
+                          std::to_string(info.major) + "." + std::to_string(info.minor) + " (built for sm90a)");
+  }
+  const int index = p.tile >= 0 ? p.tile : chosen;
+  if (index >= count) {
+    return InvalidGrouped("tile " + std::to_string(index) + " out of range (" + std::to_string(count) +
+                          " grouped configurations compiled for this device)");
+  }
+  GroupedLaunchArgs args;
+  args.m = m, args.n = n, args.k = k, args.groups = groups;
+  args.a = p.a, args.b = p.b, args.group_sizes = p.group_sizes;
+  args.col_scale = p.col_scale, args.row_scale = p.row_scale, args.out = p.out;
+  args.out_bf16 = p.out_type == OutType::kBF16;
+  args.stream = stream, args.device = device, args.sm_count = info.sm_count;
+  const GroupedKernelConfig& config = table[index];
+  const size_t bytes = config.workspace_bytes(args);
+  std::optional<void*> workspace = scratch.Allocate(bytes, 256);
+  if (!workspace.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "modelopt_fp8_grouped_gemm: could not allocate " + std::to_string(bytes) + " bytes of workspace");
+  }
+  const LaunchStatus status = config.run(args, *workspace);
+  if (status != LaunchStatus::kOk) {
+    return ffi::Error::Internal(std::string("modelopt_fp8_grouped_gemm [") + config.name + "] M=" + std::to_string(m) +
+                                " N=" + std::to_string(n) + " K=" + std::to_string(k) + " G=" +
+                                std::to_string(groups) + ": " + StatusText(status));
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("modelopt_fp8_grouped_gemm [") + config.name + "]: " +
+                                cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace modelopt_jax::cuda
+
+// Not command-buffer compatible: the workspace comes from the scratch allocator at each call.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GroupedGemmCuda, modelopt_jax::cuda::Fp8GroupedGemmCuda,
+                              modelopt_jax::BindFp8GroupedGemmOperands(
+                                  xla::ffi::Ffi::Bind()
+                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<xla::ffi::ScratchAllocator>()));
+
+// Names of the compiled grouped configurations (bench/grouped_gemm.py): returns the count, and
+// copies the name of configuration `index` (for compute capability `major`) into `buffer`.
+extern "C" int ModeloptFp8GroupedGemmConfigName(int major, int index, char* buffer, int size) {
+  const modelopt_jax::cuda::GroupedKernelConfig* table = nullptr;
+  int count = 0;
+#ifdef MODELOPT_JAX_HAVE_SM90
+  if (major == 9) table = modelopt_jax::cuda::kSm90GroupedConfigs, count = modelopt_jax::cuda::kNumSm90GroupedConfigs;
+#endif
+  if (table && index >= 0 && index < count && buffer && size > 0) {
+    std::string name = table[index].name;
+    name.copy(buffer, size - 1);
+    buffer[std::min<int>(name.size(), size - 1)] = '\0';
+  }
+  return count;
+}

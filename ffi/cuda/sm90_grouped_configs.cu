@@ -1,0 +1,33 @@
+// The sm90a grouped-GEMM configuration table and its choice by rows per expert.
+#include "grouped_launch.h"
+
+namespace modelopt_jax::cuda {
+
+size_t Sm90GroupedSwap16Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedSwap16(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedSwap64Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedSwap64(const GroupedLaunchArgs&, void*);
+size_t Sm90Grouped128x128Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90Grouped128x128(const GroupedLaunchArgs&, void*);
+size_t Sm90Grouped128x256Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90Grouped128x256(const GroupedLaunchArgs&, void*);
+
+const GroupedKernelConfig kSm90GroupedConfigs[] = {
+    {"sm90 grouped swapab 64x16x256 pingpong", Sm90GroupedSwap16Workspace, RunSm90GroupedSwap16},
+    {"sm90 grouped swapab 64x64x256 pingpong", Sm90GroupedSwap64Workspace, RunSm90GroupedSwap64},
+    {"sm90 grouped 128x128x128 pingpong", Sm90Grouped128x128Workspace, RunSm90Grouped128x128},
+    {"sm90 grouped 128x256x128 coop", Sm90Grouped128x256Workspace, RunSm90Grouped128x256},
+};
+const int kNumSm90GroupedConfigs = sizeof(kSm90GroupedConfigs) / sizeof(kSm90GroupedConfigs[0]);
+
+int ChooseSm90GroupedConfig(int m, int /*n*/, int /*k*/, int groups) {
+  // Rows per expert under uniform routing; a first choice, to be replaced by a measured table
+  // (bench/grouped_gemm.py --tile).
+  const int per_group = groups > 0 ? (m + groups - 1) / groups : m;
+  if (per_group <= 16) return 0;
+  if (per_group <= 64) return 1;
+  if (per_group <= 1024) return 2;
+  return 3;
+}
+
+}  // namespace modelopt_jax::cuda
