@@ -8,7 +8,8 @@
 #                                    [noprefix] [engine K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
-# attach / tp-bench / serve / serve-http write a synthetic Llama-3-8B-shaped FP8 checkpoint into CKPT_DIR first
+# attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
+#   llama3-8b) into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
 #   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
 # peer CKPT_DIR WORKLOADS [noprefix] [fp8]: vLLM 0.26.0 (unpacked into /tmp/vsite by tools/peer's
@@ -109,7 +110,7 @@ print('memcheck sample done')
       python3 bench/attention.py --splits 1,2,3,4,6,8 --json "$OUT/attention_splits.json" 2>&1 \
         | tee "$OUT/attention_splits.log" | tail -20 ;;
     ckpt-bg) ckpt=$2; shift 2
-      (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', 'llama3-8b')") > "$OUT/ckpt.log" 2>&1 &
+      (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', '${PRESET:-llama3-8b}')") > "$OUT/ckpt.log" 2>&1 &
       ckpt_pid=$! ;;
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
@@ -123,7 +124,7 @@ print('memcheck sample done')
         tag+="_$1"; shift
       done
       pj=${PEER_JSON:-${peer_json:-}}; [ -n "$pj" ] && [ -f "$pj" ] && extra+=(--peer-json "$pj")  # ours/vLLM
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset llama3-8b \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset "${PRESET:-llama3-8b}" \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;
     peer) ckpt=$2; workloads=$3; shift 3; tag=${workloads//,/_}; extra=()
       while [ $# -gt 0 ] && { [ "$1" = noprefix ] || [ "$1" = fp8 ]; }; do  # noprefix: prefix caching off
@@ -131,13 +132,13 @@ print('memcheck sample done')
         tag+="_$1"; shift
       done
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
-      [ -f "$ckpt/config.json" ] || (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', 'llama3-8b')")
+      [ -f "$ckpt/config.json" ] || (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', '${PRESET:-llama3-8b}')")
       peer_json=$OUT/vllm_$tag.json
       env -u PYTHONPATH python3 bench/peer_vllm_workloads.py --checkpoint "$ckpt" --workloads "$workloads" "${extra[@]}" \
         --json "$peer_json" 2>&1 | tee "$OUT/vllm_$tag.log" | tail -30 ;;
     serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset llama3-8b \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset "${PRESET:-llama3-8b}" \
         --json "$OUT/serve_http.json" --server-log "$OUT/serve_http_server.log" "${args[@]}" \
         2>&1 | tee "$OUT/serve_http.log" | tail -30 ;;
     *) echo "unknown step $1"; exit 2 ;;

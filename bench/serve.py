@@ -44,6 +44,11 @@ PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidd
            "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                                  num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+           # the same layers, 12 of the 48: a quarter of the bytes to write on the device (7.5 GB), the same
+           # per-layer work, so ours/vLLM on it is the per-layer ratio of the full model
+           "qwen3-30b-a3b-12l": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+                                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
            "tiny-moe": dict(family="qwen3_moe", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, num_experts=16,
                             num_experts_per_tok=4, moe_intermediate_size=128),

@@ -53,10 +53,15 @@ ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     table = kSm90GroupedConfigs, count = kNumSm90GroupedConfigs, chosen = ChooseSm90GroupedConfig(m, n, k, groups);
   }
 #endif
+#ifdef MODELOPT_JAX_HAVE_SM100
+  if (info.major == 10) {
+    table = kSm100GroupedConfigs, count = kNumSm100GroupedConfigs, chosen = ChooseSm100GroupedConfig(m, n, k, groups);
+  }
+#endif
   if (table == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "modelopt_fp8_grouped_gemm: no grouped kernel compiled for compute capability " +
-                          std::to_string(info.major) + "." + std::to_string(info.minor) + " (built for sm90a)");
+                          std::to_string(info.major) + "." + std::to_string(info.minor) + " (built for sm90a/sm100a)");
   }
   const int index = p.tile >= 0 ? p.tile : chosen;
   if (index >= count) {
@@ -106,6 +111,11 @@ extern "C" int ModeloptFp8GroupedGemmConfigName(int major, int index, char* buff
   int count = 0;
 #ifdef MODELOPT_JAX_HAVE_SM90
   if (major == 9) table = modelopt_jax::cuda::kSm90GroupedConfigs, count = modelopt_jax::cuda::kNumSm90GroupedConfigs;
+#endif
+#ifdef MODELOPT_JAX_HAVE_SM100
+  if (major == 10) {
+    table = modelopt_jax::cuda::kSm100GroupedConfigs, count = modelopt_jax::cuda::kNumSm100GroupedConfigs;
+  }
 #endif
   if (table && index >= 0 && index < count && buffer && size > 0) {
     std::string name = table[index].name;

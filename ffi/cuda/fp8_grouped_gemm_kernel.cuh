@@ -1,4 +1,5 @@
-// CUTLASS 3.x grouped (pointer-array) FP8 GEMM for a sparse layer's experts, one tile configuration.
+// CUTLASS 3.x grouped (pointer-array) FP8 GEMM for a sparse layer's experts, one tile configuration
+// (sm90a warp-specialized or sm100a UMMA kernels; the epilogue visitor nodes serve both).
 //
 //   out[m, n] = out_type( row[m] * (col[g(m), n] * acc[m, n]) )     rows m of group g
 //
@@ -141,8 +142,8 @@ __global__ void FinishTail(ElementD* out, int64_t m, int64_t n, const int32_t* s
 
 }  // namespace grouped_detail
 
-template <class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueSchedule, bool kSwapAB,
-          class ElementD>
+template <class ArchTag, class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueSchedule,
+          bool kSwapAB, class ElementD>
 struct Fp8GroupedGemm {
   using ElementAB = cutlass::float_e4m3_t;
   static constexpr int kAlignAB = 16;
@@ -167,12 +168,12 @@ struct Fp8GroupedGemm {
       ChannelTimesAcc>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      ArchTag, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlignD,  // no C operand
       ElementD, LayoutD*, kAlignD, EpilogueSchedule, FusionOp>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB, ElementAB, LayoutB*,
+      ArchTag, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB, ElementAB, LayoutB*,
       kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,

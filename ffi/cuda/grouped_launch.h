@@ -43,6 +43,9 @@ extern const int kNumSm90GroupedConfigs;
 // Picks a configuration from the static shape only (group sizes are device data): M / G is the
 // rows an expert gets under uniform routing.
 int ChooseSm90GroupedConfig(int m, int n, int k, int groups);
+extern const GroupedKernelConfig kSm100GroupedConfigs[];
+extern const int kNumSm100GroupedConfigs;
+int ChooseSm100GroupedConfig(int m, int n, int k, int groups);
 
 }  // namespace modelopt_jax::cuda
 

@@ -6,11 +6,11 @@
 namespace modelopt_jax::cuda {
 
 template <class ElementD>
-using Sm90GroupedSwap16 = Fp8GroupedGemm<Shape<_64, _16, _256>, Shape<_1, _1, _1>,
+using Sm90GroupedSwap16 = Fp8GroupedGemm<cutlass::arch::Sm90, Shape<_64, _16, _256>, Shape<_1, _1, _1>,
                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, true, ElementD>;
 template <class ElementD>
-using Sm90GroupedSwap64 = Fp8GroupedGemm<Shape<_64, _64, _256>, Shape<_1, _1, _1>,
+using Sm90GroupedSwap64 = Fp8GroupedGemm<cutlass::arch::Sm90, Shape<_64, _64, _256>, Shape<_1, _1, _1>,
                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
                                          cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, true, ElementD>;
 

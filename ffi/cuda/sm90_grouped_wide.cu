@@ -5,11 +5,11 @@
 namespace modelopt_jax::cuda {
 
 template <class ElementD>
-using Sm90Grouped128x128 = Fp8GroupedGemm<Shape<_128, _128, _128>, Shape<_1, _1, _1>,
+using Sm90Grouped128x128 = Fp8GroupedGemm<cutlass::arch::Sm90, Shape<_128, _128, _128>, Shape<_1, _1, _1>,
                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
                                           cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, false, ElementD>;
 template <class ElementD>
-using Sm90Grouped128x256 = Fp8GroupedGemm<Shape<_128, _256, _128>, Shape<_1, _1, _1>,
+using Sm90Grouped128x256 = Fp8GroupedGemm<cutlass::arch::Sm90, Shape<_128, _256, _128>, Shape<_1, _1, _1>,
                                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
                                           cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, false, ElementD>;
 
