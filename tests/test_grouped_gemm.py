@@ -77,3 +77,10 @@ def test_shape_errors_name_the_operand():
         grouped_fp8_gemm(x, w, gs, col[:, :39])
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         grouped_fp8_gemm(x.astype(np.float32), w, gs, col)
+
+
+@needs_handler
+def test_a_negative_tile_is_refused_by_the_shared_parser():
+    x, w, gs, col, _ = _problem([2, 2], 4)
+    with pytest.raises(Exception, match="tile must be -1"):
+        np.asarray(grouped_fp8_gemm(x, w, gs, col, out_dtype=jnp.float32, backend="ffi", tile=-2))
