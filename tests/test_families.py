@@ -178,6 +178,10 @@ def test_engine_greedy_equals_cacheless_argmax(name):
     prompts = [list(map(int, row)) for row in ref["input_ids"]] + [list(map(int, ref["input_ids"][0][:5]))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
     assert llm.last_stats["mixed_steps"] > 0  # decode rows and prompt chunks shared steps
+    _assert_decisive_tokens_match(llm, prompts, outs, new_tokens, name)
+
+
+def _assert_decisive_tokens_match(llm, prompts, outs, new_tokens, name):
     decisive = 0
     for prompt, out in zip(prompts, outs, strict=True):
         seq = prompt + out.token_ids
@@ -187,6 +191,25 @@ def test_engine_greedy_equals_cacheless_argmax(name):
         np.testing.assert_array_equal(np.asarray(out.token_ids)[sure], logits.argmax(-1)[sure], err_msg=name)
         decisive += int(sure.sum())
     assert decisive >= len(prompts) * new_tokens // 4, f"only {decisive} decisive positions"
+
+
+def test_engine_gives_back_pages_outside_the_sliding_window():
+    """Mistral (window 8, pages of 16): rows generating far past the window hold and gather only the
+    pages their window still sees -- the engine gives the earlier ones back to the pool and the step's
+    block tables start at the first live page -- and still pick the cache-less forward's tokens."""
+    name, new_tokens = "mistral-tiny-fp8-kv", 150
+    ref = _ref(name)
+    llm = LLM(str(fixture_dir(name)), dtype="float32", max_model_len=256, compilation_cache_dir=None,
+              max_num_batched_tokens=32)
+    prompts = [list(map(int, row)) for row in ref["input_ids"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    # each row ends past position 150: all but its last two or three pages went back
+    assert llm.last_stats["window_released_pages"] >= len(prompts) * 8
+    # without giving pages back the longest row would need 11 pages (a 16-wide table); now at most 3
+    assert max(program.shape.table_width for program in llm.engine.runner.shapes) == 8
+    llm.engine.pool.check()
+    assert llm.engine.pool.held == 0
+    _assert_decisive_tokens_match(llm, prompts, outs, new_tokens, name)
 
 
 # ------------------------------------------------------------------------------------ broken inputs

@@ -154,7 +154,8 @@ class Engine:
         salt = repr((model.kv_cache.layers, config.page_size)).encode()
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    reserve_tokens=config.reserve_tokens, key_salt=salt)
+                                    reserve_tokens=config.reserve_tokens, key_salt=salt,
+                                    sliding_window=model.config.sliding_window)
         self._reset_stats()
         self.last_stats: dict[str, float] = {}
 
@@ -308,6 +309,8 @@ class Engine:
                                                        - self._decodes_while_compiling_before),
                            "prefix_cache_hit_tokens": self._scheduler.prefix_hit_tokens - self._hits_before,
                            "prefix_cache_evictions": self.pool.evictions - self._evictions_before,
+                           "window_released_pages": (self._scheduler.window_released_pages
+                                                     - self._window_released_before),
                            "programs": len(self.runner.shapes), "num_pages": self.pool.num_pages,
                            "free_pages_after": self.pool.free, "cached_pages_after": self.pool.cached}
         return group_outputs(requests, tokenizer)
@@ -320,6 +323,7 @@ class Engine:
         self._decodes_while_compiling_before = self._scheduler.decodes_while_compiling
         self._hits_before = self._scheduler.prefix_hit_tokens
         self._evictions_before = self.pool.evictions
+        self._window_released_before = self._scheduler.window_released_pages
 
 
 def _progress(total: int, enabled: bool):

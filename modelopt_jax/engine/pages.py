@@ -2,7 +2,9 @@
 
 Page 0 is never handed out: it is the scratch page that padding tokens write to (see
 :class:`modelopt_jax.kv_cache.PagedKVCache`). A sequence holds the pages for its first
-``len(pages) * page_size`` positions, in order; its block table is that list.
+``len(pages) * page_size`` positions, in order; its block table is that list. A sliding-window
+model's sequence gives back the leading pages no later token can see; their entries become 0
+(held by nobody, skipped by :meth:`PagePool.release`).
 
 Automatic prefix caching: a *full* page whose tokens are known is registered under a key that
 chains the key of the page before it with its own token ids (:func:`page_keys`), so equal keys mean
@@ -98,6 +100,8 @@ class PagePool:
         """Drops the holder's reference to each of ``pages`` and empties the list. The last page is
         released first, so a sequence's deepest (least shared) pages are evicted before its first."""
         for page in reversed(pages):
+            if page == 0:  # a page given back early (outside a sliding window): not held
+                continue
             refs = self._refs[page] - 1
             if refs < 0:
                 raise RuntimeError(f"page {page} released more often than it was taken")

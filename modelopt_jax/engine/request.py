@@ -96,6 +96,7 @@ class Request:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_logprobs: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     pages: list[int] = dataclasses.field(default_factory=list)
+    dropped: int = 0                # leading pages given back as they left a sliding window (0 entries in pages)
     computed: int = 0
     finish_reason: str | None = None
     inflight: int = 0

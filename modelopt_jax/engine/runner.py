@@ -58,7 +58,7 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     if fixed:
         width = fixed_table_width
     else:
-        longest = max(max(len(r.pages), -(-(r.computed + n) // page) if planned else 0) for r, n in batch)
+        longest = max(max(len(r.pages), -(-(r.computed + n) // page) if planned else 0) - r.dropped for r, n in batch)
         width = bucket(longest, 8)
     return StepShape(decode_rows=bucket(len(decode), 8) if decode else 0,
                      prompt_tokens=token_bucket(sum(prompt)) if prompt else 0,
@@ -259,13 +259,15 @@ class Runner:
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
         tok_ids, tok_pos, tok_slots, tok_from_last = [], [], [], []
         tables = np.zeros((rows, shape.table_width), np.int32)
+        first_pages = np.zeros(rows, np.int32)  # sliding-window rows: the leading pages they gave back
         prompt_tokens = np.full((shape.prompt_rows, shape.prompt_width), shape.prompt_tokens, np.int32)
         next_ids = np.zeros(t, np.int32)
         logit_index = np.zeros(rows, np.int32)
         launched = []
         for b, (r, _) in enumerate(decode):
             start, pages = r.computed, r.pages
-            tables[b, :len(pages)] = pages
+            tables[b, :len(pages) - r.dropped] = pages[r.dropped:]
+            first_pages[b] = r.dropped
             token = r.token_at(start)
             tok_ids.append(self.pad_id if token is None else token)
             tok_from_last.append(r.inflight_row if token is None else -1)
@@ -284,7 +286,8 @@ class Runner:
         for j, (r, n) in enumerate(prompt):
             start, pages = r.computed, r.pages
             row = nd + j
-            tables[row, :len(pages)] = pages
+            tables[row, :len(pages) - r.dropped] = pages[r.dropped:]
+            first_pages[row] = r.dropped
             pos = range(start, start + n)
             tok_ids += [r.token_at(p) for p in pos]  # prompt chunks: every token is known
             tok_from_last += [-1] * n
@@ -299,7 +302,8 @@ class Runner:
             offset += n
         step = PagedStep(input_ids=_padded(tok_ids, t, self.pad_id), positions=_padded(tok_pos, t),
                          slots=_padded(tok_slots, t), block_tables=tables, prompt_tokens=prompt_tokens,
-                         logit_index=logit_index, num_decode=nd, attention=self.attention)
+                         logit_index=logit_index, num_decode=nd, attention=self.attention,
+                         first_pages=None if self.attention.sliding_window is None else first_pages)
         ordered = [r for r, _ in decode] + [r for r, _ in prompt]
         params = [r.params for r in ordered]
         row_keys = np.zeros((rows, 2), np.uint32)

@@ -35,8 +35,9 @@ from modelopt_jax.engine.request import Request
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int, reserve_tokens: int = 0,
-                 key_salt: bytes = b""):
+                 key_salt: bytes = b"", sliding_window: int | None = None):
         self.pool = pool
+        self.sliding_window = sliding_window  # the model's: pages wholly before every later token's window go back
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.reserve_tokens = int(reserve_tokens)
@@ -46,6 +47,7 @@ class Scheduler:
         self.preemptions = 0
         self.decodes_while_compiling = 0  # steps whose prompt chunks waited for their program to compile
         self.prefix_hit_tokens = 0        # prompt tokens taken from the prefix cache at admission
+        self.window_released_pages = 0    # pages given back early because they left the sliding window
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,6 +77,7 @@ class Scheduler:
         self.register_pages(victim)
         self.pool.release(victim.pages)
         victim.computed = 0
+        victim.dropped = 0
         self.preemptions += 1
         self.waiting.appendleft(victim)
 
@@ -92,7 +95,8 @@ class Scheduler:
         if len(keys) < full:
             page_keys(request.known_tokens(), page, keys, self.key_salt)
         for i in range(request.registered, full):
-            self.pool.register(request.pages[i], keys[i])
+            if request.pages[i]:  # 0: given back before it could be offered (outside the window)
+                self.pool.register(request.pages[i], keys[i])
         request.registered = full
 
     def schedule(self, speculative: bool = False, ready=None) -> list[tuple[Request, int]] | None:
@@ -104,6 +108,7 @@ class Scheduler:
         and there are decodes, the decodes run alone and the prompt chunks wait (their requests stay
         queued or part-way), so a compile does not stall every running stream.
         """
+        self._drop_outside_window()
         while True:
             decodes = self._decode(speculative)
             if decodes is None:
@@ -123,6 +128,25 @@ class Scheduler:
             # Every running request is part-way through a prompt and none can get a page: release the
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
+
+    def _drop_outside_window(self) -> None:
+        """Gives back every running request's pages that no token from here on can attend: the next
+        step's tokens sit at positions >= ``computed`` and see keys less than ``sliding_window`` back.
+        Full pages are offered to the prefix cache first. A step already launched may still read such
+        a page; a later step that reuses it writes after it on the same stream."""
+        if self.sliding_window is None:
+            return
+        page = self.pool.page_size
+        for r in self.running:
+            first_needed = min(max(0, r.computed - self.sliding_window + 1) // page, len(r.pages))
+            if first_needed <= r.dropped:
+                continue
+            self.register_pages(r)
+            leaving = r.pages[r.dropped:first_needed]
+            r.pages[r.dropped:first_needed] = [0] * len(leaving)
+            r.dropped = first_needed
+            self.window_released_pages += len(leaving)
+            self.pool.release(leaving)
 
     def _decode(self, speculative: bool) -> list[tuple[Request, int]] | None:
         # Runs once or twice per step over every running request: membership is tracked in a set

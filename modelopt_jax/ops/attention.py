@@ -154,8 +154,9 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     t = q.shape[0]
     page = config.page_size
     decode_rows = jnp.arange(d, dtype=jnp.int32)
+    first = step.first_pages  # None unless a sliding-window model's rows dropped early pages (XLA paths only)
     xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype,
-                                   window=config.sliding_window)
+                                   window=config.sliding_window, first_pages=None if first is None else first[:d])
     kernel_args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
     if d == t and config.decode == "fused_kernel":
         fused = functools.partial(_kernel_write_paged_attention, **kernel_args, variant=config.decode_variant,
@@ -181,7 +182,7 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
         prompt_rows = step.prompt_tokens
         operands = (q[d:], k_pool, v_pool, jnp.zeros(t - d, jnp.int32), step.positions[d:], step.block_tables[d:])
         xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows,
-                                        window=config.sliding_window)
+                                        window=config.sliding_window, first_pages=None if first is None else first[d:])
         if config.prefill == "xla":
             parts.append(xla_prefill(*operands))
         else:
@@ -334,9 +335,10 @@ def _sm_count() -> int:
 
 
 def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                         dtype, row_tokens=None, window: int | None = None):
+                         dtype, row_tokens=None, window: int | None = None, first_pages=None):
     """XLA: gather the rows' pages, mask by position (and row; and ``window``: keys less than that many
-    positions back), softmax as :func:`causal_attention`.
+    positions back), softmax as :func:`causal_attention`. ``first_pages`` [R] (None: zeros): which page
+    of its sequence each row's table starts at, so a windowed row gathers only its live pages.
 
     Three layouts: per row (``row_tokens`` given: each row's [Wq] queries against its own [S]
     keys; prompt chunks), per token (each token gathers its own row's context: T x S keys; decode
@@ -351,12 +353,16 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
     s = width * page_size
     slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size, dtype=block_tables.dtype)).reshape(rows, s)
     key_pos = jnp.arange(s, dtype=positions.dtype)
+    if first_pages is None:
+        row_key_pos = jnp.broadcast_to(key_pos, (rows, s))                                    # [R, S]
+    else:
+        row_key_pos = first_pages.astype(positions.dtype)[:, None] * page_size + key_pos[None]
     if row_tokens is not None and row_tokens.shape[1] > 1:  # per row
         q_rows = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])[row_tokens]             # [R, Wq, H, D]
         q_pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[row_tokens]  # padding: -1
         k = decode_stored(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]
         v = decode_stored(v_pool[slots], v_scale, dtype)
-        mask = _visible(key_pos[None, None, :], q_pos[:, :, None], window)[:, None]          # [R, 1, Wq, S]
+        mask = _visible(row_key_pos[:, None, :], q_pos[:, :, None], window)[:, None]         # [R, 1, Wq, S]
         out_rows = causal_attention(q_rows, k, v, mask)                                        # [R, Wq, H * D]
         out = jnp.zeros((t + 1, h * d), out_rows.dtype).at[row_tokens.reshape(-1)].set(
             out_rows.reshape(-1, h * d), mode="drop")
@@ -365,13 +371,13 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
         tok_slots = slots[token_rows]
         k = decode_stored(k_pool[tok_slots], k_scale, dtype)               # [T, S, KV, D]: batch T, one query each
         v = decode_stored(v_pool[tok_slots], v_scale, dtype)
-        mask = _visible(key_pos[None, :], positions[:, None], window)[:, None, None, :]   # [T, 1, 1, S]
+        mask = _visible(row_key_pos[token_rows], positions[:, None], window)[:, None, None, :]  # [T, 1, 1, S]
         out = causal_attention(q[:, None], k, v, mask)
         return out.reshape(t, h * d)
     k = decode_stored(k_pool[slots.reshape(-1)], k_scale, dtype)[None]      # [1, R*S, KV, D]
     v = decode_stored(v_pool[slots.reshape(-1)], v_scale, dtype)[None]
     key_rows = jnp.repeat(jnp.arange(rows, dtype=token_rows.dtype), s)
-    mask = (key_rows[None, :] == token_rows[:, None]) & _visible(jnp.tile(key_pos, rows)[None, :], positions[:, None],
+    mask = (key_rows[None, :] == token_rows[:, None]) & _visible(row_key_pos.reshape(-1)[None, :], positions[:, None],
                                                                  window)
     out = causal_attention(q[None], k, v, mask[None, None])
     return out.reshape(t, h * d)

@@ -134,6 +134,9 @@ class PagedStep:
     logit_index: jax.Array        # [R] packed index of each row's last token (the one whose logits sample)
     num_decode: int               # static: decode rows (= decode tokens, padding included) lead the step
     attention: AttentionConfig    # static: which kernels run
+    first_pages: jax.Array | None = None  # [R] which page of its sequence each row's block_tables[r, 0] is:
+                                  # a sliding-window model's rows drop the pages that fell out of the window
+                                  # (neither kept nor read). None: 0 for every row (the CUDA kernels' only case)
 
     @property
     def num_tokens(self) -> int:
@@ -164,14 +167,23 @@ class PagedStep:
             raise ValueError(f"PagedStep: {t - d} prompt tokens but {r - d} prompt rows")
         if self.logit_index.shape != (r,):
             raise ValueError(f"PagedStep.logit_index has shape {self.logit_index.shape}, expected ({r},)")
-        for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index"):
+        if self.first_pages is not None and self.first_pages.shape != (r,):
+            raise ValueError(f"PagedStep.first_pages has shape {self.first_pages.shape}, expected ({r},)")
+        if self.first_pages is not None and self.attention.sliding_window is None:
+            raise ValueError("PagedStep.first_pages is for sliding-window models (their rows drop early pages); "
+                             "this step's attention has no window")
+        for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
+                     "first_pages"):
+            if getattr(self, name) is None:
+                continue
             dtype = getattr(self, name).dtype
             if dtype != np.int32:
                 raise ValueError(f"PagedStep.{name} must be int32, got {dtype}")
 
 
 jax.tree_util.register_dataclass(
-    PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index"],
+    PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
+                            "first_pages"],
     meta_fields=["num_decode", "attention"])
 
 
@@ -198,7 +210,7 @@ class StepShape:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         t, r = self.tokens, self.rows
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
-                         i32(r), self.decode_rows, attention)
+                         i32(r), self.decode_rows, attention, None if attention.sliding_window is None else i32(r))
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
