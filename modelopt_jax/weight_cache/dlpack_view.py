@@ -132,9 +132,11 @@ class Views:
     def lease_open(self) -> bool:
         return self.lease.fd >= 0
 
-    def close_lease(self) -> None:
-        """Ends the lease now (idempotent; atomic with respect to the deleter's close)."""
-        self._lib.ModeloptJaxLeaseClose(ctypes.addressof(self.lease))
+    def close_lease(self, _addressof=ctypes.addressof) -> None:
+        """Ends the lease now (idempotent; atomic with respect to the deleter's close). ``addressof`` is
+        bound at definition: a mapping finalised at interpreter exit runs after module globals are
+        cleared (``ctypes`` is then None)."""
+        self._lib.ModeloptJaxLeaseClose(_addressof(self.lease))
 
     def array(self, offset: int, dtype, shape) -> jax.Array:
         name = jnp.dtype(dtype).name
