@@ -201,8 +201,13 @@ def test_engine_gives_back_pages_outside_the_sliding_window():
     ref = _ref(name)
     llm = LLM(str(fixture_dir(name)), dtype="float32", max_model_len=256, compilation_cache_dir=None,
               max_num_batched_tokens=32)
+    # the last prompt repeats the first: its full prompt pages come from the prefix cache, shared with a
+    # row that gives them back as it moves on (reference counts, not the other row's pages, drop)
     prompts = [list(map(int, row)) for row in ref["input_ids"]]
+    prompts += [prompts[0] + prompts[1]] * 2  # 24 tokens: one full page to share
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    assert llm.last_stats["prefix_cache_hit_tokens"] >= 16
+    assert outs[-1].token_ids == outs[-2].token_ids
     # each row ends past position 150: all but its last two or three pages went back
     assert llm.last_stats["window_released_pages"] >= len(prompts) * 8
     # without giving pages back the longest row would need 11 pages (a 16-wide table); now at most 3
