@@ -1,11 +1,13 @@
-// Compute capability and SM count of a CUDA device, queried once per device, and the text of a
-// launch status: shared by the dense and grouped GEMM handlers.
+// Compute capability and SM count of a CUDA device, queried once per device, the text of a launch
+// status and the configuration-name export: shared by the dense and grouped GEMM handlers.
 #ifndef MODELOPT_JAX_FFI_CUDA_DEVICE_INFO_H_
 #define MODELOPT_JAX_FFI_CUDA_DEVICE_INFO_H_
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "gemm_launch.h"
@@ -41,6 +43,18 @@ inline const char* StatusText(LaunchStatus s) {
     case LaunchStatus::kRun: return "CUTLASS run failed";
   }
   return "unknown";
+}
+
+// For the exported *ConfigName functions: copies the name of `table[index]` (a table of `count`
+// configurations with a `name` member) into `buffer` of `size` bytes, NUL-terminated; returns `count`.
+template <class Config>
+int CopyConfigName(const Config* table, int count, int index, char* buffer, int size) {
+  if (table && index >= 0 && index < count && buffer && size > 0) {
+    std::string name = table[index].name;
+    name.copy(buffer, size - 1);
+    buffer[std::min<int>(name.size(), size - 1)] = '\0';
+  }
+  return count;
 }
 
 }  // namespace modelopt_jax::cuda

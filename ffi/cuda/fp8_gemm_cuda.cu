@@ -98,10 +98,5 @@ extern "C" int ModeloptFp8GemmConfigName(int major, int index, char* buffer, int
 #ifdef MODELOPT_JAX_HAVE_SM100
   if (major == 10) table = modelopt_jax::cuda::kSm100Configs, count = modelopt_jax::cuda::kNumSm100Configs;
 #endif
-  if (table && index >= 0 && index < count && buffer && size > 0) {
-    std::string name = table[index].name;
-    name.copy(buffer, size - 1);
-    buffer[std::min<int>(name.size(), size - 1)] = '\0';
-  }
-  return count;
+  return modelopt_jax::cuda::CopyConfigName(table, count, index, buffer, size);
 }

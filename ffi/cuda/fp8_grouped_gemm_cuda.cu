@@ -117,10 +117,5 @@ extern "C" int ModeloptFp8GroupedGemmConfigName(int major, int index, char* buff
     table = modelopt_jax::cuda::kSm100GroupedConfigs, count = modelopt_jax::cuda::kNumSm100GroupedConfigs;
   }
 #endif
-  if (table && index >= 0 && index < count && buffer && size > 0) {
-    std::string name = table[index].name;
-    name.copy(buffer, size - 1);
-    buffer[std::min<int>(name.size(), size - 1)] = '\0';
-  }
-  return count;
+  return modelopt_jax::cuda::CopyConfigName(table, count, index, buffer, size);
 }
