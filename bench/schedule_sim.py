@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from modelopt_jax.engine.engine import default_max_num_seqs  # noqa: E402
 from modelopt_jax.engine.pages import PagePool  # noqa: E402
 from modelopt_jax.engine.request import Request  # noqa: E402
-from modelopt_jax.engine.runner import step_shape  # noqa: E402
+from modelopt_jax.engine.buckets import MAX_PROMPT_SEQS, token_bucket  # noqa: E402
+from modelopt_jax.engine.runner import kernel_prompt_section, program_parts, step_shape  # noqa: E402
 from modelopt_jax.ops.paged_step import AttentionConfig  # noqa: E402
 from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
@@ -74,13 +75,18 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--reserve-tokens", type=int, default=1024)
+    ap.add_argument("--one-program", action="store_true", help="mixed steps as one program (EngineConfig."
+                                                                "split_steps=False), not a decode and a prompt one")
     ap.add_argument("--verbose", action="store_true", help="print every program's shape and step count")
     args = ap.parse_args()
     if args.max_num_seqs is None:
         args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
     pool = PagePool(args.pages, args.page_size)
+    args.split = not args.one_program
+    args.cap = cap = min(MAX_PROMPT_SEQS, args.max_num_seqs)
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          reserve_tokens=args.reserve_tokens)
+                          reserve_tokens=args.reserve_tokens, split_steps=args.split,
+                          prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens), cap)[2])
     attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel")  # the H200's paths
     seen = set()
     for run in range(args.runs):
@@ -97,18 +103,21 @@ def simulate(args, scheduler, attention, requests, run):
     for r in requests:
         scheduler.add(r)
     table_width = -(-args.max_model_len // args.page_size)
-    shapes, rows_hist = collections.Counter(), collections.Counter()
+    shapes, rows_hist, steps = collections.Counter(), collections.Counter(), collections.Counter()
     real = padded = 0
     seconds = {"prompt": 0.0, "decode": 0.0}
     while not scheduler.done:
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
-        key = step_shape(batch, attention, table_width)
-        shapes[key] += 1
-        prompt = key.prompt_rows > 0
+        keys = [step_shape(part, attention, table_width, max_prompt_seqs=args.cap)
+                for part in program_parts(batch, args.split)]
+        for key in keys:
+            shapes[key] += 1
+            padded += key.tokens
+        prompt = any(n > 1 for _, n in batch)
+        steps["prompt" if prompt else "decode"] += 1
         rows_hist["prompt" if prompt else "decode"] += len(batch)
         real += sum(n for _, n in batch)
-        padded += key.tokens
         for r, n in batch:
             r.computed += n
             scheduler.register_pages(r)
@@ -116,8 +125,7 @@ def simulate(args, scheduler, attention, requests, run):
                 r.accept(7, 0.0, [], [])
                 if r.finish_reason:
                     scheduler.finish(r)
-    prompt_steps = sum(v for k, v in shapes.items() if k.prompt_rows > 0)
-    decode_steps = sum(shapes.values()) - prompt_steps
+    prompt_steps, decode_steps = steps["prompt"], steps["decode"]
     print(f"workload {args.workload}: {len(requests)} requests, {prompt_steps} prompt steps "
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
           f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
@@ -127,7 +135,7 @@ def simulate(args, scheduler, attention, requests, run):
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
           f"{generated / total:,.0f} generated tok/s")
     if args.verbose:
-        print("decode-rows prompt-tokens prompt-rows prompt-width table-width: steps")
+        print("decode-rows prompt-tokens prompt-rows prompt-width table-width prompt-seqs: steps")
         for k, v in sorted(shapes.items()):
             print(*dataclasses.astuple(k), ":", v)
     return shapes

@@ -47,7 +47,7 @@ def _load(args, path: str, progress):
               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
               tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching,
+              enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
               kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache)
     progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
     return llm
@@ -202,7 +202,7 @@ def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int
                    dtype=args.dtype, max_model_len=prompts.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                    backend=args.backend, tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=not args.no_prefix_caching,
+                   enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
                    kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
                    quiet=args.quiet)
     client = CoreClient(options, tokenizer=prompts.tokenizer,
@@ -233,6 +233,9 @@ def _model_options(p) -> None:
                    help="tokens per engine step at most: the running requests' next tokens plus prompt chunks")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (default: prompts share the cached pages of a common prefix)")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="compile each step program when first needed (default, where the CUDA kernels run: "
+                        "compile every step program at start-up, so no request waits for a compile)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                    help="GPU: share of device memory the weights and the KV pool may use")
     p.add_argument("--weight-cache", default="off", choices=["off", "auto", "require"],

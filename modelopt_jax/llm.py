@@ -60,6 +60,9 @@ class LLM:
     running request's next token plus prompt chunks up to ``max_num_batched_tokens`` tokens in all,
     and ``enable_prefix_caching`` lets prompts that start alike share the cached pages of their
     common prefix (computed once, kept after their requests end, evicted least recently used).
+    ``precompile``: where the step programs form a finite table (the CUDA kernels' attention), compile
+    it here (greedy and temperature sampling, no log-probs), so no ``generate`` step waits for a
+    compile; JAX's persistent cache makes a later start load the programs instead.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
@@ -70,16 +73,19 @@ class LLM:
                  weight_cache_timeout: float | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_bytes: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-                 enable_prefix_caching: bool = True, **unknown: Any):
+                 enable_prefix_caching: bool = True, precompile: bool = True, **unknown: Any):
         if unknown:
             raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
                             f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
                             f"weight_cache_timeout, kv_cache_memory_fraction, kv_cache_bytes, max_num_seqs, "
-                            f"max_num_batched_tokens, enable_prefix_caching")
+                            f"max_num_batched_tokens, enable_prefix_caching, precompile")
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      enable_prefix_caching=enable_prefix_caching,
+                                     precompile_samplers=EngineConfig.precompile_samplers if precompile else (),
                                      kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes)
+        if not isinstance(precompile, bool):
+            raise InvalidArgumentError(f"precompile={precompile!r} must be a bool")
         if quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantization={quantization!r} not supported; use 'modelopt' or None (detect)")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or \

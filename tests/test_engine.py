@@ -477,7 +477,7 @@ def test_max_num_seqs_default_follows_the_pool():
     page = _page_bytes(small)
     big = _llm(kv_cache_bytes=(512 * 64 + 1) * page)
     assert big.engine.config.max_num_seqs == 512
-    assert big.engine.runner.max_rows == 2 * 512  # a step's decode rows and as many prompt rows
+    assert big.engine.runner.max_rows == 512 + 128  # a step's decode rows and its prompt sequences
     assert _llm(kv_cache_bytes=(512 * 64 + 1) * page, max_num_seqs=100).engine.config.max_num_seqs == 100
 
 
@@ -507,11 +507,18 @@ def test_steps_take_the_fixed_table_width_only_where_kernels_run_every_section()
     xla = AttentionConfig(16)
     kernels = AttentionConfig(16, decode="fused_kernel", prefill="kernel")
     decode_kernel_only = AttentionConfig(16, decode="fused_kernel", prefill="xla")
-    assert step_shape(prompt, xla, 256) == StepShape(0, 64, 2, 64, 8)  # 3 pages, bucketed to the minimum 8
-    assert step_shape(prompt, kernels, 256) == StepShape(0, 64, 2, 64, 256)
-    assert step_shape(decode, decode_kernel_only, 256) == StepShape(8, 0, 0, 1, 256)
-    assert step_shape(decode + prompt, decode_kernel_only, 256) == StepShape(8, 64, 2, 64, 8)
-    assert step_shape(decode + prompt, kernels, 256) == StepShape(8, 64, 2, 64, 256)
+    assert step_shape(prompt, xla, 256) == StepShape(0, 64, 2, 64, 8, 2)  # 3 pages, bucketed to the minimum 8
+    # kernels: rows of PROMPT_TILE tokens, as many as 64 tokens of up to 64 / PROMPT_SEQ_TOKENS chunks can need
+    assert step_shape(prompt, kernels, 256) == StepShape(0, 64, 1 + 16, 64, 256, 16)
+    assert step_shape(prompt, kernels, 256, max_prompt_seqs=2) == StepShape(0, 64, 1 + 2, 64, 256, 2)
+    # more chunks than the scheduler allows still get a shape that holds them
+    many = [(request(3 + i, 8, 0), 8) for i in range(8)]
+    for r, n in many:
+        assert pool.grow(r.pages, n)
+    assert step_shape(many, kernels, 256, max_prompt_seqs=2) == StepShape(0, 64, 8, 64, 256, 8)
+    assert step_shape(decode, decode_kernel_only, 256) == StepShape(8, 0, 0, 1, 256, 0)
+    assert step_shape(decode + prompt, decode_kernel_only, 256) == StepShape(8, 64, 2, 64, 8, 2)
+    assert step_shape(decode + prompt, kernels, 256) == StepShape(8, 64, 1 + 16, 64, 256, 16)
 
 
 def test_attention_config_is_resolved_once_and_checked():

@@ -7,6 +7,8 @@ log-probs are equal, not close.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -51,3 +53,42 @@ def test_fused_page_write_generates_what_scatter_then_attend_does(checkpoint, kv
     for i, (a, b) in enumerate(zip(fused, unfused)):
         assert a[0] == b[0], f"prompt {i}: tokens differ"
         assert a[1] == b[1], f"prompt {i}: log-probs differ"
+
+
+def _mixed_run(checkpoint, split_steps, precompile):
+    llm = LLM(checkpoint, max_model_len=1024, kv_cache_bytes=64 << 20, max_num_seqs=16, compilation_cache_dir=None,
+              precompile=False)
+    old, llm.engine = llm.engine, None
+    config = dataclasses.replace(old.config, split_steps=split_steps, max_num_batched_tokens=512,
+                                 precompile_samplers=("greedy",) if precompile else ())
+    del old
+    llm.engine = Engine(llm.model, max_model_len=1024, pad_id=llm.model.config.pad_token_id or 0, config=config)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, 1000, int(n)).tolist() for n in rng.integers(2, 600, 30)]
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True, logprobs=2) for n in rng.integers(2, 40, 30)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, dict(llm.engine.last_stats), llm.engine
+
+
+def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(checkpoint):
+    """On CUDA, mixed steps as a decode program and a prompt program (prompt chunks in PROMPT_TILE
+    rows), with the program table compiled at start-up: every program the run meets has a shape of
+    the table (these requests ask for log-probs, which the table leaves to first use), and the tokens
+    equal the one-program steps' up to each request's first near-tie (the GEMMs see other M, so FP8
+    activations may round differently; most tokens must be compared)."""
+    split, stats, engine = _mixed_run(checkpoint, True, True)
+    one, one_stats, _ = _mixed_run(checkpoint, False, False)
+    table = engine.runner.program_table(512)
+    assert engine.precompiled == len(table)
+    assert {p.shape for p in engine.runner.shapes} <= {p.shape for p in table}
+    assert stats["mixed_steps"] > 0 and one_stats["mixed_steps"] > 0
+    compared = total = 0
+    for g, w in zip(split, one):
+        total += len(w.token_ids)
+        for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
+            top = sorted(w.logprobs[i].values(), reverse=True)
+            if top[0] - top[1] < 0.3:
+                break
+            assert a == b, (i, g.token_ids, w.token_ids)
+            compared += 1
+    assert compared > total // 2, (compared, total)

@@ -134,6 +134,43 @@ def test_a_mixed_step_attends_each_row_over_its_own_pages():
                                   np.asarray(case[2])[np.asarray(step.slots) > 0].view(np.uint16))
 
 
+def _recut(step, tile):
+    """``step`` with each prompt row cut into rows of at most ``tile`` tokens (each with its sequence's
+    block table), as the runner lays out prompt chunks where the prefill kernel runs."""
+    d = step.num_decode
+    tables, lines = np.asarray(step.block_tables), np.asarray(step.prompt_tokens)
+    pad = step.num_tokens - d
+    new_tables, new_lines = list(tables[:d]), []
+    for r, line in enumerate(lines):
+        real = line[line < pad]
+        for cut in range(0, len(real), tile):
+            new_tables.append(tables[d + r])
+            new_lines.append(np.pad(real[cut:cut + tile], (0, tile - len(real[cut:cut + tile])), constant_values=pad))
+    i32 = lambda a: jnp.asarray(np.asarray(a), jnp.int32)  # noqa: E731
+    out = dataclasses.replace(step, block_tables=i32(np.stack(new_tables)), prompt_tokens=i32(np.stack(new_lines)))
+    out.check()
+    return out
+
+
+@pytest.mark.parametrize("tile", [1, 4, 16])
+def test_cutting_prompt_chunks_into_rows_changes_no_output(tile):
+    """A prompt chunk may be laid out as several rows of one sequence (the runner's PROMPT_TILE rows,
+    which make a program's shape depend on its token count alone): every token's output equals the
+    one-row-per-sequence layout's and the float64 reference; the logits rows are untouched."""
+    case = _mixed_step(2)
+    step = case[0]
+    cut = _recut(step, tile)
+    assert cut.num_rows > step.num_rows and cut.logit_index.shape == step.logit_index.shape
+    _, (out, k_pool, _) = _run(*case)
+    _, (out_cut, k_pool_cut, _) = _run(cut, *case[1:])
+    want = _reference(*case)
+    real = ~np.isnan(want[:, 0])
+    np.testing.assert_allclose(np.asarray(out_cut)[real], np.asarray(out)[real], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(out_cut)[real], want[real], atol=2e-5, rtol=0)
+    # (padding tokens all write the scratch page 0, in no set order on a GPU)
+    np.testing.assert_array_equal(np.asarray(k_pool_cut)[PAGE:], np.asarray(k_pool)[PAGE:])
+
+
 def test_the_sections_of_a_mixed_step_equal_each_section_alone():
     """A decode row's output does not depend on prompt rows riding along, nor a prompt row's on
     decodes: the decode-only and prompt-only steps give the same rows, bit for bit on XLA."""
@@ -204,7 +241,7 @@ def _broken(step, field):
         "slots": dataclasses.replace(step, slots=i32(t - 1)),
         "block_tables": dataclasses.replace(step, block_tables=i32(r * 4)),
         "prompt_tokens": dataclasses.replace(step, prompt_tokens=i32(r - d + 1, 4)),
-        "logit_index": dataclasses.replace(step, logit_index=i32(r + 1)),
+        "logit_index": dataclasses.replace(step, logit_index=i32(d - 1)),
         "num_decode": dataclasses.replace(step, num_decode=r + 1),
         "dtype": dataclasses.replace(step, slots=step.slots.astype(jnp.float32)),
     }[field]
@@ -216,7 +253,7 @@ def _broken(step, field):
     ("slots", r"PagedStep.slots has shape"),
     ("block_tables", r"PagedStep.block_tables must be \[rows, pages\]"),
     ("prompt_tokens", r"PagedStep.prompt_tokens has shape \(5, 4\), expected \(4, width\)"),
-    ("logit_index", r"PagedStep.logit_index has shape \(\d+,\), expected \(\d+,\)"),
+    ("logit_index", r"PagedStep.logit_index has shape \(7,\), expected \(S,\) with S >= num_decode=8"),
     ("num_decode", r"PagedStep.num_decode=13 must be within"),
     ("dtype", r"PagedStep.slots must be int32, got float32"),
 ])
@@ -241,7 +278,8 @@ def test_step_shape_abstract_is_what_the_runner_builds():
     step = _mixed_step(4)[0]
     shape = StepShape(decode_rows=step.num_decode, prompt_tokens=step.num_tokens - step.num_decode,
                       prompt_rows=step.prompt_tokens.shape[0], prompt_width=step.prompt_tokens.shape[1],
-                      table_width=step.block_tables.shape[1])
+                      table_width=step.block_tables.shape[1],
+                      prompt_seqs=step.logit_index.shape[0] - step.num_decode)
     abstract = shape.abstract(XLA)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), step)
     assert (shape.tokens, shape.rows) == (step.num_tokens, step.num_rows)

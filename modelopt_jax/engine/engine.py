@@ -24,6 +24,7 @@ from modelopt_jax.engine.runner import Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
+from modelopt_jax.sampling import SAMPLERS
 
 
 MAX_PROMPT_DEFER_S = 30.0  # longest a prompt step waits for its off-thread compile before compiling in line
@@ -50,6 +51,11 @@ class EngineConfig:
                                               # reserve_tokens tokens (at most their max_tokens); 0: none
     kv_cache_memory_fraction: float = 0.9     # GPU: share of device memory the weights + pool may use
     kv_cache_bytes: int | None = None         # or an explicit pool size in bytes (any platform)
+    split_steps: bool = True                  # a step with decodes and prompt chunks runs as two programs, so
+                                              # the programs are decode buckets + prompt buckets (Runner)
+    precompile_samplers: tuple[str, ...] = ("greedy", "tempered")  # where the step programs form a table (the
+                                              # CUDA kernels' paths), compile it at start-up for these samplers
+                                              # (sampling.SAMPLERS); (): compile each program on first use
 
     def __post_init__(self):
         if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
@@ -64,6 +70,11 @@ class EngineConfig:
         value = self.reserve_tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"reserve_tokens={value!r} must be a non-negative integer")
+        if not isinstance(self.split_steps, bool):
+            raise ConfigError(f"split_steps={self.split_steps!r} must be a bool")
+        if not isinstance(self.precompile_samplers, tuple) or any(s not in SAMPLERS for s in self.precompile_samplers):
+            raise ConfigError(f"precompile_samplers={self.precompile_samplers!r} must be a tuple of "
+                              f"{', '.join(map(repr, SAMPLERS))}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if self.kv_cache_bytes is not None and (not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0):
@@ -140,7 +151,7 @@ class Engine:
         self.attention = attention
         self.pool = PagePool(num_pages, config.page_size, prefix_caching=config.enable_prefix_caching)
         self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
-                             max_rows=config.max_num_seqs)
+                             max_rows=config.max_num_seqs, split_steps=config.split_steps)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a step whose program is not compiled yet runs its decodes alone while
         # it compiles off-thread (Runner.ready; at most MAX_PROMPT_DEFER_S, then in line). Off for
@@ -155,9 +166,28 @@ class Engine:
         self._scheduler = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     reserve_tokens=config.reserve_tokens, key_salt=salt,
-                                    sliding_window=model.config.sliding_window)
+                                    sliding_window=model.config.sliding_window,
+                                    prompt_seqs_limit=self.runner.prompt_seqs_limit, split_steps=config.split_steps)
+        self.precompiled, self.precompile_seconds = 0, 0.0
+        if config.precompile_samplers and self.runner.has_program_table:
+            self.precompile(config.precompile_samplers)
         self._reset_stats()
         self.last_stats: dict[str, float] = {}
+
+    def precompile(self, samplers=("greedy",), workers: int | None = None) -> int:
+        """Compiles every step program this engine's steps can run with ``samplers`` and no log-probs
+        (:meth:`Runner.program_table`), so that no step waits for a compile: a program is a
+        whole-model compile (an 8B step took 8-9 s on the H200) and a first run that meets 20 of them
+        spent most of its time compiling. ``workers`` compiles run at once (default: half the CPUs, at
+        most 8; JAX's persistent cache makes a later start load them instead). Returns how many
+        were compiled. Only where the programs form a table (``runner.has_program_table``)."""
+        if workers is None:
+            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        t0 = time.perf_counter()
+        done = self.runner.precompile(self.runner.program_table(self.config.max_num_batched_tokens, samplers), workers)
+        self.precompiled += done
+        self.precompile_seconds += time.perf_counter() - t0
+        return done
 
     # -- step-wise use (a server's loop): add requests any time, step until idle ------------------
 
@@ -311,7 +341,9 @@ class Engine:
                            "prefix_cache_evictions": self.pool.evictions - self._evictions_before,
                            "window_released_pages": (self._scheduler.window_released_pages
                                                      - self._window_released_before),
-                           "programs": len(self.runner.shapes), "num_pages": self.pool.num_pages,
+                           "programs": len(self.runner.shapes),
+                           "inline_compiles": self.runner.inline_compiles - self._inline_compiles_before,
+                           "num_pages": self.pool.num_pages,
                            "free_pages_after": self.pool.free, "cached_pages_after": self.pool.cached}
         return group_outputs(requests, tokenizer)
 
@@ -324,6 +356,7 @@ class Engine:
         self._hits_before = self._scheduler.prefix_hit_tokens
         self._evictions_before = self.pool.evictions
         self._window_released_before = self._scheduler.window_released_pages
+        self._inline_compiles_before = self.runner.inline_compiles
 
 
 def _progress(total: int, enabled: bool):

@@ -15,19 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from modelopt_jax.engine.buckets import (MAX_PROMPT_SEQS, MIN_DECODE_ROWS, MIN_PROMPT_TOKENS, PROMPT_SEQ_TOKENS,
+                                         bucket, decode_buckets, token_bucket, token_buckets)
 from modelopt_jax.engine.request import Request
 from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, StepShape
 from modelopt_jax.sampling import sample, sampler_for, token_logprobs
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
-def token_bucket(n: int, minimum: int = 16) -> int:
-    """Powers of two up to 1024 tokens, multiples of 1024 above (a step of 4100 prompt tokens pads
-    to 5120, not 8192: padded tokens cost the GEMMs as much as real ones)."""
-    return bucket(n, minimum) if n <= 1024 else -(-n // 1024) * 1024
+# Tokens per prompt row where the prefill kernel runs: a chunk is cut into rows of this many tokens
+# (a multiple of every kernel CTA's tokens), so a step's prompt section has a shape that depends on
+# its padded token count alone (see step_shape).
+PROMPT_TILE = 64
 
 
 def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
@@ -37,19 +35,30 @@ def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
     return out
 
 
+def kernel_prompt_section(prompt_tokens: int, max_prompt_seqs: int) -> tuple[int, int, int]:
+    """(rows, width, sampled sequences) of a prompt section of ``prompt_tokens`` padded tokens where
+    the prefill kernel runs: rows of PROMPT_TILE tokens, enough for the chunks of up to one sequence
+    per PROMPT_SEQ_TOKENS tokens (at most ``max_prompt_seqs``; the scheduler keeps to it), each of
+    which may leave one partial row. The shape is then a function of the token count, and a
+    workload's programs form a table."""
+    seqs = max(1, min(max_prompt_seqs, prompt_tokens // PROMPT_SEQ_TOKENS))
+    return -(-prompt_tokens // PROMPT_TILE) + seqs, PROMPT_TILE, seqs
+
+
 def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fixed_table_width: int,
-               planned: bool = False) -> StepShape:
+               planned: bool = False, max_prompt_seqs: int = MAX_PROMPT_SEQS) -> StepShape:
     """The padded shape of the program that runs ``batch`` (rows feeding one token are decode rows).
 
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): decode rows
     to powers of two (at least 8: a GEMM costs the same for M 1..8); prompt tokens by
     :func:`token_bucket` (the scheduler fills a busy step's budget exactly, so its steps repeat one
-    shape); prompt rows and tokens per prompt row to powers of two (padding rows and the padding
-    tail of a row cost the prefill kernel CTAs that return at once). Block tables are
-    ``fixed_table_width`` wide where every section of the step runs a kernel that reads only the
-    pages in use (the width then costs nothing and adds no program), else a power of two of pages
-    (at least 8) covering the longest row, since XLA's attention gathers the whole width.
-    ``planned``: the rows' pages are not allocated yet (count those their fed tokens will need).
+    shape). Where every section of the step runs a kernel that reads only the pages in use, block
+    tables are ``fixed_table_width`` wide (the width then costs nothing and adds no program) and the
+    prompt section is cut into rows of PROMPT_TILE tokens (:func:`kernel_prompt_section`): the
+    program is then one of a table known ahead (:meth:`Runner.precompile_table`). Elsewhere XLA's
+    attention gathers the whole width and every row's keys: tables are a power of two of pages (at
+    least 8) covering the longest row, one prompt row per sequence, its width and the rows powers of
+    two. ``planned``: the rows' pages are not allocated yet (count those their fed tokens will need).
     """
     page = attention.page_size
     decode = [n for _, n in batch if n == 1]
@@ -60,10 +69,29 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     else:
         longest = max(max(len(r.pages), -(-(r.computed + n) // page) if planned else 0) - r.dropped for r, n in batch)
         width = bucket(longest, 8)
-    return StepShape(decode_rows=bucket(len(decode), 8) if decode else 0,
-                     prompt_tokens=token_bucket(sum(prompt)) if prompt else 0,
-                     prompt_rows=bucket(len(prompt)) if prompt else 0,
-                     prompt_width=bucket(max(prompt), 16) if prompt else 1, table_width=width)
+    decode_rows = bucket(len(decode), MIN_DECODE_ROWS) if decode else 0
+    if not prompt:
+        return StepShape(decode_rows, 0, 0, 1, width, 0)
+    tokens = token_bucket(sum(prompt))
+    if fixed:
+        rows, row_width, seqs = kernel_prompt_section(tokens, max_prompt_seqs)
+        # a caller past the scheduler's sequence cap still gets a shape that holds its rows
+        rows = max(rows, sum(-(-n // row_width) for n in prompt))
+        seqs = max(seqs, len(prompt))
+    else:
+        rows = seqs = bucket(len(prompt))
+        row_width = bucket(max(prompt), MIN_PROMPT_TOKENS)
+    return StepShape(decode_rows, tokens, rows, row_width, width, seqs)
+
+
+def program_parts(batch: list[tuple[Request, int]], split: bool) -> list[list[tuple[Request, int]]]:
+    """The rows each program of a step of ``batch`` runs, in launch order (decode rows first): the
+    decodes' and the prompt chunks' programs where ``split`` and the step holds both, else one."""
+    decode = [(r, n) for r, n in batch if n == 1]
+    prompt = [(r, n) for r, n in batch if n > 1]
+    if split and decode and prompt:
+        return [decode, prompt]
+    return [decode + prompt]
 
 
 def prompt_logprobs_k(batch: list[tuple[Request, int]]) -> int | None:
@@ -85,27 +113,38 @@ class StepProgram:
 
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
-    """Per-row sampling inputs of a step (device arrays; R rows, T tokens)."""
+    """Per-row sampling inputs of a step program (device arrays; S sampled rows, T tokens)."""
 
-    temperature: jax.Array            # [R] float32, 0 = greedy
-    top_k: jax.Array                  # [R] int32, <= 0 = off
-    top_p: jax.Array                  # [R] float32, 1 = off
-    keys: jax.Array                   # [R, 2] uint32 each row's request PRNG key
-    counters: jax.Array               # [R] uint32 index of the token being sampled (folded into the key)
+    temperature: jax.Array            # [S] float32, 0 = greedy
+    top_k: jax.Array                  # [S] int32, <= 0 = off
+    top_p: jax.Array                  # [S] float32, 1 = off
+    keys: jax.Array                   # [S, 2] uint32 each row's request PRNG key
+    counters: jax.Array               # [S] uint32 index of the token being sampled (folded into the key)
     prompt_next_ids: jax.Array        # [T] int32 the prompt token after each fed position (prompt log-probs)
     from_last: jax.Array              # [T] int32 row of the previous step whose sampled token is this
                                       # token's input (its value is still on the device), -1: known
+    out_row: jax.Array                # [] int32 the step's output row of this program's first sampled row
 
     @staticmethod
     def abstract(shape: StepShape) -> "RowSampling":
         s = jax.ShapeDtypeStruct
-        r, t = shape.rows, shape.tokens
+        r, t = shape.sampled_rows, shape.tokens
         return RowSampling(s((r,), np.float32), s((r,), np.int32), s((r,), np.float32), s((r, 2), np.uint32),
-                           s((r,), np.uint32), s((t,), np.int32), s((t,), np.int32))
+                           s((r,), np.uint32), s((t,), np.int32), s((t,), np.int32), s((), np.int32))
 
 
 jax.tree_util.register_dataclass(RowSampling, data_fields=[f.name for f in dataclasses.fields(RowSampling)],
                                  meta_fields=[])
+
+
+@dataclasses.dataclass
+class LaunchedProgram:
+    """One program of a launched step: where its rows' results sit (device arrays until collected)."""
+
+    out_row: int                            # the step's output row of its first sampled row
+    logprobs: tuple                         # (chosen [S], top values [S, k], top ids [S, k])
+    prompt: tuple | None                    # per fed token (chosen [T], top values [T, k], top ids [T, k]) or None
+    token_spans: dict[int, tuple[int, int]]  # output row -> (its first fed token in this program, tokens fed)
 
 
 @dataclasses.dataclass
@@ -114,7 +153,8 @@ class LaunchedStep:
 
     rows: list[tuple[Request, int, int, bool, int]]  # (request, tokens fed, first position fed, samples a token,
                                                      #  its row in the step's outputs)
-    outputs: tuple                          # device arrays: tokens, (chosen, top values, top ids), prompt
+    tokens: jax.Array                       # [Runner.max_rows] every row's sampled token at its output row
+    programs: list[LaunchedProgram]         # the programs that ran it, in launch order
 
     @property
     def is_prompt(self) -> bool:
@@ -129,10 +169,10 @@ class LaunchedStep:
 class StepResult:
     """What one step returns to the host (one device-to-host copy)."""
 
-    tokens: np.ndarray                      # [R] sampled token per row
-    chosen: np.ndarray                      # [R] its log-prob
-    top_values: np.ndarray                  # [R, k]
-    top_ids: np.ndarray                     # [R, k]
+    tokens: np.ndarray                      # [rows] sampled token per output row
+    chosen: np.ndarray                      # [rows] its log-prob
+    top_values: np.ndarray                  # [rows, k]
+    top_ids: np.ndarray                     # [rows, k]
     prompt: dict | None                     # per prompt row (by output row): its tokens' (chosen, top values, top ids)
 
 
@@ -140,19 +180,24 @@ class Runner:
     """Runs packed steps (:class:`PagedStep`): decode rows and prompt chunks side by side.
 
     ``fixed_table_width`` (pages, a full-length sequence's): the block tables' width in steps whose
-    attention reads only the pages in use (see :func:`step_shape`).
+    attention reads only the pages in use (see :func:`step_shape`). ``split_steps``: a step holding
+    decode rows and prompt chunks runs as two programs, the decodes' then the prompts' (launched back
+    to back, one copy back), so the programs a workload needs are the decode-row buckets plus the
+    prompt-token buckets, not their product; the cost is the weights read twice in such a step.
     """
 
     def __init__(self, model, num_pages: int, attention: AttentionConfig, pad_id: int = 0,
-                 fixed_table_width: int = 1, max_rows: int = 256):
+                 fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True):
         from flax import nnx
 
         self.attention = attention
         self.page_size = attention.page_size
-        # Every step's sampled tokens, padded to one length, stay on the device: the next step,
+        self.split_steps = split_steps
+        self.max_decode_rows = bucket(max_rows, MIN_DECODE_ROWS)
+        self.max_prompt_seqs = min(MAX_PROMPT_SEQS, max_rows)  # the scheduler admits no more per step
+        # Every step's sampled tokens, at their output rows, stay on the device: the next step,
         # launched before this one is collected, reads its in-flight input tokens from them.
-        # A step has at most max_rows decode rows (bucketed) and as many prompt rows.
-        self.max_rows = 2 * bucket(max_rows, 8)
+        self.max_rows = self.max_decode_rows + bucket(self.max_prompt_seqs)
         self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
         self.pad_id = pad_id
         self.fixed_table_width = fixed_table_width
@@ -171,45 +216,104 @@ class Runner:
         self._forward = forward
         self._step = jax.jit(self._step_fn, static_argnums=(0,), donate_argnums=(2,))
         self.shapes: set[StepProgram] = set()  # programs run so far
-        # Programs compiled off the engine's thread (see ready); one compile at a time.
+        self.inline_compiles = 0  # programs a launch compiled in line (not ahead, not in the background)
+        # Programs compiled off the engine's thread (see ready, precompile); one background compile at a time.
         self._compiled: dict[StepProgram, object] = {}
+        self._failed: set[StepProgram] = set()  # background compiles that raised (launch compiles them in line)
         self._compiling: tuple[StepProgram, concurrent.futures.Future] | None = None
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
 
+    # -- which programs a step runs ------------------------------------------------------------------
+
+    def programs_of(self, batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+        return program_parts(batch, self.split_steps)
+
     def step_key(self, batch: list[tuple[Request, int]], planned: bool = True) -> StepProgram:
-        """The program a step of ``batch`` rows runs. The rows' pages need not be allocated yet."""
+        """The program one part of a step (:meth:`programs_of`) runs. The rows' pages need not be
+        allocated yet."""
         params = [r.params for r, _ in batch]
-        return StepProgram(step_shape(batch, self.attention, self.fixed_table_width, planned),
+        return StepProgram(step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs),
                            max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch), sampler_for(params))
 
+    def prompt_seqs_limit(self, prompt_tokens: int) -> int:
+        """The prompt chunks a step of ``prompt_tokens`` prompt tokens may hold (the scheduler's cap):
+        where the prefill kernel runs, what its step shape has rows for (:func:`kernel_prompt_section`)."""
+        if self.attention.prefill == "xla":
+            return self.max_prompt_seqs
+        return kernel_prompt_section(token_bucket(prompt_tokens), self.max_prompt_seqs)[2]
+
+    def step_keys(self, batch: list[tuple[Request, int]], planned: bool = True) -> list[StepProgram]:
+        return [self.step_key(part, planned) for part in self.programs_of(batch)]
+
+    # -- compiling ahead ------------------------------------------------------------------------------
+
+    @property
+    def has_program_table(self) -> bool:
+        """Whether every step's programs come from a table known ahead (:meth:`program_table`): the
+        kernels read only the pages in use (fixed table width, prompt rows of PROMPT_TILE tokens) and
+        mixed steps run as two programs."""
+        return self.split_steps and self.attention.decode != "xla" and self.attention.prefill != "xla"
+
+    def program_table(self, max_prompt_tokens: int, samplers=("greedy",)) -> list[StepProgram]:
+        """The programs steps of at most ``max_prompt_tokens`` prompt tokens can run, per sampler, without
+        log-probs: a decode program per decode-row bucket, a prompt program per prompt-token bucket."""
+        if not self.has_program_table:
+            raise ValueError("the step programs form a table only where both attention sections run the kernels "
+                             "and mixed steps are split (Runner.has_program_table)")
+        width = self.fixed_table_width
+        shapes = [StepShape(d, 0, 0, 1, width, 0) for d in decode_buckets(self.max_decode_rows)]
+        for tokens in token_buckets(max_prompt_tokens):
+            rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
+            shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
+        return [StepProgram(shape, 0, None, sampler) for sampler in samplers for shape in shapes]
+
+    def precompile(self, programs: list[StepProgram], workers: int = 1) -> int:
+        """Compiles ``programs`` now (``workers`` at a time; XLA compiles outside the GIL), so no step
+        waits for them; returns how many were compiled (the others were already)."""
+        todo = [k for k in dict.fromkeys(programs) if k not in self._compiled and k not in self.shapes]
+        operands = [self._abstract_operands(k) for k in todo]
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="modelopt-jax-precompile") as ex:
+            for key, compiled in zip(todo, ex.map(self._compile, todo, operands)):
+                self._compiled[key] = compiled
+        return len(todo)
+
+    @property
+    def compiled_programs(self) -> set[StepProgram]:
+        """Programs compiled ahead or in the background (run or not)."""
+        return set(self._compiled)
+
     def ready(self, batch: list[tuple[Request, int]]) -> bool:
-        """Whether a step of ``batch`` can launch without compiling first. When it cannot, its program
-        starts compiling on a helper thread (unless another compile runs), so the caller can run other
-        steps meanwhile: a new step shape met by a server costs its streams nothing but the wait of
-        the requests in that step (an 8B program took 6-8 s to compile on the H200)."""
-        key = self.step_key(batch)
-        if key in self.shapes or key in self._compiled:
+        """Whether a step of ``batch`` can launch without compiling first. When it cannot, a missing
+        program starts compiling on a helper thread (unless another compile runs), so the caller can
+        run other steps meanwhile: a new step shape met by a server costs its streams nothing but the
+        wait of the requests in that step (an 8B program took 6-8 s to compile on the H200)."""
+        known = lambda k: k in self.shapes or k in self._compiled or k in self._failed  # noqa: E731
+        missing = [k for k in self.step_keys(batch) if not known(k)]
+        if not missing:
             return True
         if self._compiling is not None:
-            finished = self._take_compiled()
-            if finished is None:  # still compiling
+            if self._take_compiled() is None:  # still compiling
                 return False
-            if finished == key:  # done (or failed: launch then compiles in line and raises where it runs)
+            missing = [k for k in missing if not known(k)]
+            if not missing:
                 return True
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="modelopt-jax-compile")
+        key = missing[0]
         self._compiling = (key, self._compiler.submit(self._compile, key, self._abstract_operands(key)))
         return False
 
     def _take_compiled(self, wait: bool = False) -> StepProgram | None:
         """The key of the off-thread compile, once finished (waited for if ``wait``), its program
-        moved into the table (a failed one is dropped); None while it still runs."""
+        moved into the table (a failed one is noted); None while it still runs."""
         key, future = self._compiling
         if not (wait or future.done()):
             return None
         self._compiling = None
         if future.exception() is None:
             self._compiled[key] = future.result()
+        else:
+            self._failed.add(key)
         return key
 
     def _abstract_operands(self, key: StepProgram) -> tuple:
@@ -236,34 +340,56 @@ class Runner:
             prompt = token_logprobs(all_logits, rows.prompt_next_ids, program.prompt_logprobs)
         keys = jax.vmap(jax.random.fold_in)(rows.keys, rows.counters)
         tokens = sample(logits, rows.temperature, rows.top_k, rows.top_p, keys, program.sampler)
-        padded = jnp.zeros(self.max_rows, jnp.int32).at[:tokens.shape[0]].set(tokens)
-        return padded, token_logprobs(logits, tokens, program.num_logprobs), prompt, cache
+        # the step's earlier programs' tokens stay where they are (out_row + rows <= max_rows, checked on the host)
+        placed = jax.lax.dynamic_update_slice(last_tokens, tokens, (rows.out_row,))
+        return placed, token_logprobs(logits, tokens, program.num_logprobs), prompt, cache
+
+    # -- running a step --------------------------------------------------------------------------------
 
     def launch(self, batch: list[tuple[Request, int]]) -> LaunchedStep:
         """Dispatches one step for ``batch`` rows of (request, tokens to feed) without waiting for it.
 
-        Rows feeding one token become the step's decode rows (in ``batch`` order), the others its
-        prompt rows. A row's input token may still be in flight (``request.inflight_row`` >= 0 and
-        its value unknown on the host): it is read on the device from the previous launched step's
-        tokens. Requests are not modified: the caller advances ``computed`` and ``inflight``. A
-        program compiled off-thread (:meth:`ready`) runs as compiled; one still compiling is waited
-        for; any other compiles here, as ``jax.jit`` does.
+        Rows feeding one token are the step's decode rows (in ``batch`` order), the others its
+        prompt rows; they run as one program or two (:meth:`programs_of`), whose sampled tokens land
+        in one array at the rows' output rows (decode rows first). A row's input token may still be
+        in flight (``request.inflight_row`` >= 0 and its value unknown on the host): it is read on
+        the device from the previous launched step's tokens. Requests are not modified: the caller
+        advances ``computed`` and ``inflight``. A program compiled ahead or off-thread runs as
+        compiled; one still compiling is waited for; any other compiles here, as ``jax.jit`` does.
         """
+        rows, programs = [], []
+        tokens, out_row = self._last_tokens, 0
+        for part in self.programs_of(batch):
+            tokens, launched, sampled = self._launch_program(part, tokens, out_row)
+            rows += launched.pop("rows")
+            programs.append(LaunchedProgram(out_row, **launched))
+            out_row += sampled
+        self._last_tokens = tokens
+        return LaunchedStep(rows, tokens, programs)
+
+    def _launch_program(self, batch: list[tuple[Request, int]], last_tokens: jax.Array, out_row: int):
+        """Builds and dispatches one program's step for ``batch`` (decode rows before prompt rows),
+        its sampled rows placed at ``out_row`` onwards; returns the tokens array it leaves, what
+        :class:`LaunchedProgram` records, and its sampled rows (padding included)."""
         page = self.page_size
         key = self.step_key(batch, planned=False)
         shape = key.shape
+        if out_row + shape.sampled_rows > self.max_rows:
+            raise ValueError(f"a step of {len(batch)} rows needs {out_row + shape.sampled_rows} output rows; the "
+                             f"runner has {self.max_rows} (max_num_seqs decode rows and {self.max_prompt_seqs} "
+                             f"prompt sequences)")
         decode = [(r, n) for r, n in batch if n == 1]
         prompt = [(r, n) for r, n in batch if n > 1]
-        t, rows, nd = shape.tokens, shape.rows, shape.decode_rows
+        t, nd, tile = shape.tokens, shape.decode_rows, shape.prompt_width
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
         tok_ids, tok_pos, tok_slots, tok_from_last = [], [], [], []
-        tables = np.zeros((rows, shape.table_width), np.int32)
-        first_pages = np.zeros(rows, np.int32)  # sliding-window rows: the leading pages they gave back
-        prompt_tokens = np.full((shape.prompt_rows, shape.prompt_width), shape.prompt_tokens, np.int32)
+        tables = np.zeros((shape.rows, shape.table_width), np.int32)
+        first_pages = np.zeros(shape.rows, np.int32)  # sliding-window rows: the leading pages they gave back
+        prompt_tokens = np.full((shape.prompt_rows, tile), shape.prompt_tokens, np.int32)
         next_ids = np.zeros(t, np.int32)
-        logit_index = np.zeros(rows, np.int32)
-        launched = []
+        logit_index = np.zeros(shape.sampled_rows, np.int32)
+        launched, spans = [], {}
         for b, (r, _) in enumerate(decode):
             start, pages = r.computed, r.pages
             tables[b, :len(pages) - r.dropped] = pages[r.dropped:]
@@ -275,30 +401,34 @@ class Runner:
             tok_slots.append(pages[start // page] * page + start % page)
             if r.params.prompt_logprobs is not None and start + 1 < len(r.prompt_ids):
                 next_ids[b] = r.prompt_ids[start + 1]
-            launched.append((r, 1, start, start + 1 == r.length, b))
+            launched.append((r, 1, start, start + 1 == r.length, out_row + b))
+            spans[out_row + b] = (b, 1)
         pad = nd - len(decode)
         tok_ids += [self.pad_id] * pad
         tok_from_last += [-1] * pad
         tok_pos += [0] * pad
         tok_slots += [0] * pad  # padding tokens write to the scratch page 0
         logit_index[:len(decode)] = np.arange(len(decode))
-        offset = 0  # within the prompt section
+        offset, table_row = 0, nd  # within the prompt section; the next prompt row
         for j, (r, n) in enumerate(prompt):
             start, pages = r.computed, r.pages
-            row = nd + j
-            tables[row, :len(pages) - r.dropped] = pages[r.dropped:]
-            first_pages[row] = r.dropped
+            for cut in range(0, n, tile):  # a chunk's rows: PROMPT_TILE tokens each, or the whole chunk
+                width = min(tile, n - cut)
+                tables[table_row, :len(pages) - r.dropped] = pages[r.dropped:]
+                first_pages[table_row] = r.dropped
+                prompt_tokens[table_row - nd, :width] = np.arange(offset + cut, offset + cut + width)
+                table_row += 1
             pos = range(start, start + n)
             tok_ids += [r.token_at(p) for p in pos]  # prompt chunks: every token is known
             tok_from_last += [-1] * n
             tok_pos += pos
             tok_slots += [pages[p // page] * page + p % page for p in pos]
-            prompt_tokens[j, :n] = np.arange(offset, offset + n)
-            logit_index[row] = nd + offset + n - 1
+            logit_index[nd + j] = nd + offset + n - 1
             if r.params.prompt_logprobs is not None and start + 1 < len(r.prompt_ids):
                 end = min(start + n + 1, len(r.prompt_ids))  # next prompt token of each fed position
                 next_ids[nd + offset:nd + offset + end - start - 1] = r.prompt_ids[start + 1:end]
-            launched.append((r, n, start, start + n == r.length, row))
+            launched.append((r, n, start, start + n == r.length, out_row + nd + j))
+            spans[out_row + nd + j] = (nd + offset, n)
             offset += n
         step = PagedStep(input_ids=_padded(tok_ids, t, self.pad_id), positions=_padded(tok_pos, t),
                          slots=_padded(tok_slots, t), block_tables=tables, prompt_tokens=prompt_tokens,
@@ -306,17 +436,18 @@ class Runner:
                          first_pages=None if self.attention.sliding_window is None else first_pages)
         ordered = [r for r, _ in decode] + [r for r, _ in prompt]
         params = [r.params for r in ordered]
-        row_keys = np.zeros((rows, 2), np.uint32)
-        row_ids = [row for *_, row in launched]
+        s = shape.sampled_rows
+        row_ids = list(range(len(decode))) + [nd + j for j in range(len(prompt))]
+        row_keys = np.zeros((s, 2), np.uint32)
         row_keys[row_ids] = [r.row_key for r in ordered]
         sampling = RowSampling(
-            temperature=_scattered([q.temperature for q in params], row_ids, rows, 0.0, np.float32),
-            top_k=_scattered([q.top_k for q in params], row_ids, rows, -1),
-            top_p=_scattered([q.top_p for q in params], row_ids, rows, 1.0, np.float32),
+            temperature=_scattered([q.temperature for q in params], row_ids, s, 0.0, np.float32),
+            top_k=_scattered([q.top_k for q in params], row_ids, s, -1),
+            top_p=_scattered([q.top_p for q in params], row_ids, s, 1.0, np.float32),
             keys=row_keys,
-            counters=_scattered([len(r.generated) + r.inflight for r in ordered], row_ids, rows, 0, np.uint32),
-            prompt_next_ids=next_ids, from_last=_padded(tok_from_last, t, -1))
-        operands = (self.weights, self.cache, step, sampling, self._last_tokens)
+            counters=_scattered([len(r.generated) + r.inflight for r in ordered], row_ids, s, 0, np.uint32),
+            prompt_next_ids=next_ids, from_last=_padded(tok_from_last, t, -1), out_row=np.int32(out_row))
+        operands = (self.weights, self.cache, step, sampling, last_tokens)
         if self._compiling is not None and self._compiling[0] == key:  # compiling off-thread: wait for it
             self._take_compiled(wait=True)
         compiled = self._compiled.get(key)
@@ -324,26 +455,29 @@ class Runner:
             tokens, logprobs, prompt_out, self.cache = compiled(*operands)
         else:
             tokens, logprobs, prompt_out, self.cache = self._step(key, *operands)
+        if key not in self.shapes and compiled is None:
+            self.inline_compiles += 1
         self.shapes.add(key)
-        self._last_tokens = tokens
-        return LaunchedStep(launched, (tokens, logprobs, prompt_out))
+        return tokens, {"rows": launched, "logprobs": logprobs, "prompt": prompt_out, "token_spans": spans}, s
 
     @staticmethod
     def collect(launched: LaunchedStep) -> StepResult:
         """Waits for a launched step and copies its results to the host (one transfer)."""
-        tokens, (chosen, top_v, top_i), prompt = jax.device_get(launched.outputs)
+        tokens, outputs = jax.device_get((launched.tokens, [(p.logprobs, p.prompt) for p in launched.programs]))
+        k = max(top_v.shape[1] for (_, top_v, _), _ in outputs)
+        n = len(tokens)
+        chosen = np.zeros(n, np.float32)
+        top_values = np.full((n, k), -np.inf, np.float32)
+        top_ids = np.zeros((n, k), np.int32)
         prompt_rows = None
-        if prompt is not None:  # per row: its fed tokens' (chosen, top values, top ids)
-            prompt_rows = {}
-            nd = sum(1 for _, n, _, _, _ in launched.rows if n == 1)
-            decode_rows = bucket(nd, 8) if nd else 0
-            offset = decode_rows
-            for r, n, _, _, row in launched.rows:
-                first = row if n == 1 else offset
-                if n > 1:
-                    offset += n
-                prompt_rows[row] = tuple(a[first:first + n] for a in prompt)
-        return StepResult(tokens, chosen, top_v, top_i, prompt_rows)
+        for program, ((c, top_v, top_i), prompt) in zip(launched.programs, outputs):
+            rows = slice(program.out_row, program.out_row + len(c))
+            chosen[rows], top_values[rows, :top_v.shape[1]], top_ids[rows, :top_i.shape[1]] = c, top_v, top_i
+            if prompt is not None:  # per row: its fed tokens' (chosen, top values, top ids)
+                prompt_rows = {} if prompt_rows is None else prompt_rows
+                for row, (first, count) in program.token_spans.items():
+                    prompt_rows[row] = tuple(a[first:first + count] for a in prompt)
+        return StepResult(tokens, chosen, top_values, top_ids, prompt_rows)
 
 
 def _scattered(values, rows: list[int], size: int, fill=0, dtype=np.int32) -> np.ndarray:

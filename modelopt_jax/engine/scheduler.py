@@ -7,7 +7,8 @@ the running streams and a step's work stays bounded.
   most recently admitted request: its pages are released (full pages stay in the prefix cache, so
   resuming is mostly a cache hit) and it goes back to the front of the queue, to be recomputed.
 - Then prompt chunks: requests part-way through their prompt continue, then waiting requests are
-  admitted in arrival order while the budget lasts, the running set stays under ``max_num_seqs`` and
+  admitted in arrival order while the budget lasts (and a step holds no more prompt chunks than
+  ``prompt_seqs_limit`` allows its tokens), the running set stays under ``max_num_seqs`` and
   pages are free beyond a *reserve*: the pages the running requests will need for their next
   ``reserve_tokens`` tokens (at most what their ``max_tokens`` leaves), so admissions rarely force a
   preemption later. A long prompt is split into chunks across steps.
@@ -29,14 +30,21 @@ from __future__ import annotations
 
 from collections import deque
 
+from modelopt_jax.engine.buckets import MAX_PROMPT_SEQS, MIN_DECODE_ROWS, bucket, floor_token_bucket
 from modelopt_jax.engine.pages import PagePool, page_keys
 from modelopt_jax.engine.request import Request
 
 
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int, reserve_tokens: int = 0,
-                 key_salt: bytes = b"", sliding_window: int | None = None):
+                 key_salt: bytes = b"", sliding_window: int | None = None, prompt_seqs_limit=None,
+                 split_steps: bool = False):
         self.pool = pool
+        # prompt_seqs_limit(prompt tokens) -> the prompt chunks a step of that many prompt tokens may hold
+        self.prompt_seqs_limit = prompt_seqs_limit or (lambda tokens: MAX_PROMPT_SEQS)
+        # The runner runs a step's decodes and prompt chunks as two programs: the prompt budget is then
+        # rounded down to a prompt-token bucket (its program is filled exactly), not the step's padding.
+        self.split_steps = split_steps
         self.sliding_window = sliding_window  # the model's: pages wholly before every later token's window go back
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -113,10 +121,13 @@ class Scheduler:
             decodes = self._decode(speculative)
             if decodes is None:
                 return None
-            # the decode rows as the step will pad them (powers of two, at least 8): a busy step's
-            # prompt chunks then fill the budget exactly, and such steps share one program
-            padded = max(8, 1 << (len(decodes) - 1).bit_length()) if decodes else 0
-            plan = self._plan_prompts(self.max_num_batched_tokens - padded)
+            # the decode rows as the step will pad them (one program) or the prompt program's token
+            # bucket (two): a busy step's prompt chunks then fill it exactly, and such steps share a program
+            if self.split_steps:
+                budget = floor_token_bucket(self.max_num_batched_tokens - len(decodes))
+            else:
+                budget = self.max_num_batched_tokens - (bucket(len(decodes), MIN_DECODE_ROWS) if decodes else 0)
+            plan = self._plan_prompts(budget)
             if plan and decodes and ready is not None and not ready(decodes + [(r, n) for r, n, _ in plan]):
                 self.decodes_while_compiling += 1
                 plan = []
@@ -183,7 +194,7 @@ class Scheduler:
     def _plan_prompts(self, budget: int) -> list[tuple[Request, int, list[int]]]:
         """The prompt chunks that fit ``budget`` tokens now: (request, tokens, cached pages it starts
         from -- newly admitted requests only), changing nothing."""
-        plan, free, admitted = [], self.pool.free, 0
+        plan, free, admitted, planned = [], self.pool.free, 0, 0
         page = self.pool.page_size
         prefilling = []  # requests whose prompt pages are still to be computed, with the first such page
         for r in self.running:
@@ -192,11 +203,12 @@ class Scheduler:
             if r.pending <= 1 or budget <= 0:
                 continue
             n = min(r.pending, budget, (len(r.pages) + free) * page - r.computed)
-            if n <= 0:
+            if n <= 0 or len(plan) >= self.prompt_seqs_limit(planned + n):
                 continue
             free -= max(0, self.pool.pages_for(r.computed + n) - len(r.pages))
             plan.append((r, n, []))
             budget -= n
+            planned += n
         reserve = self._reserve() if self.waiting and budget > 0 else 0
         computing = None  # keys of prompt pages some request computes now (built on first need)
         for r in self.waiting:
@@ -209,6 +221,8 @@ class Scheduler:
                 continue  # its next page is being computed: it joins a later step and shares it
             start = len(shared) * page
             n = min(r.pending - start, budget)
+            if len(plan) >= self.prompt_seqs_limit(planned + n):
+                break
             need = self.pool.pages_for(start + n) - len(shared)
             # cached pages nobody holds count as free: taking them makes them unavailable
             idle_shared = sum(self.pool.refcount(p) == 0 for p in shared)
@@ -220,6 +234,7 @@ class Scheduler:
             plan.append((r, n, shared))
             self._note_computing(r, start, computing)
             budget -= n
+            planned += n
         return plan
 
     def _reserve_of(self, r: Request) -> int:

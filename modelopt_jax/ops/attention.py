@@ -357,7 +357,7 @@ def _xla_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables,
         row_key_pos = jnp.broadcast_to(key_pos, (rows, s))                                    # [R, S]
     else:
         row_key_pos = first_pages.astype(positions.dtype)[:, None] * page_size + key_pos[None]
-    if row_tokens is not None and row_tokens.shape[1] > 1:  # per row
+    if row_tokens is not None:  # per row
         q_rows = jnp.concatenate([q, jnp.zeros((1, h, d), q.dtype)])[row_tokens]             # [R, Wq, H, D]
         q_pos = jnp.concatenate([positions, jnp.full((1,), -1, positions.dtype)])[row_tokens]  # padding: -1
         k = decode_stored(k_pool[slots], k_scale, dtype)                                            # [R, S, KV, D]

@@ -7,10 +7,15 @@ the platform and carried by the step as static data, so a traced program's kerne
 property of its arguments, not of module state read at trace time.
 
 Layout of a step's T packed tokens: the first ``num_decode`` tokens are rows that feed one token
-each (decodes, padding included): token i is row i's. The remaining tokens are prompt chunks: row
-``num_decode + r``'s tokens sit at ``prompt_tokens[r]`` (indices into that prompt section). Both
-kinds share the step's forward; attention runs the decode kernel over the first section and the
-prefill kernel over the second (two launches of one step, or one when the step holds one kind).
+each (decodes, padding included): token i is row i's. The remaining tokens are prompt chunks, laid
+out as prompt rows: a prompt row is a run of consecutive tokens of one sequence (its whole chunk, or
+one tile of it: a sequence's chunk may span several rows, each with that sequence's block table),
+row ``num_decode + r``'s tokens sitting at ``prompt_tokens[r]`` (indices into the prompt section).
+Attention is row-local (each token sees its sequence's keys up to its own position), so how a chunk
+is cut into rows changes no result, only the shapes. Both kinds share the step's forward; attention
+runs the decode kernel over the first section and the prefill kernel over the second (two launches
+of one step, or one when the step holds one kind). Logits are taken at ``logit_index``: one entry
+per sampled row (decode rows first, then one per prompt sequence), independent of the row count.
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class PagedStep:
     block_tables: jax.Array       # [R, W] each row's pages in order; rows 0..num_decode-1 are decode rows
     prompt_tokens: jax.Array      # [R - num_decode, Wq] prompt row r's tokens' indices into the prompt
                                   # section (tokens num_decode..T-1), in order; T - num_decode pads
-    logit_index: jax.Array        # [R] packed index of each row's last token (the one whose logits sample)
+    logit_index: jax.Array        # [S] packed index of each sampled row's token (its logits sample):
+                                  # S >= num_decode, decode rows first, then one per prompt sequence
     num_decode: int               # static: decode rows (= decode tokens, padding included) lead the step
     attention: AttentionConfig    # static: which kernels run
     first_pages: jax.Array | None = None  # [R] which page of its sequence each row's block_tables[r, 0] is:
@@ -165,8 +171,9 @@ class PagedStep:
                              f"({r - d}, width): one line per prompt row")
         if (r - d == 0) != (t - d == 0):
             raise ValueError(f"PagedStep: {t - d} prompt tokens but {r - d} prompt rows")
-        if self.logit_index.shape != (r,):
-            raise ValueError(f"PagedStep.logit_index has shape {self.logit_index.shape}, expected ({r},)")
+        if self.logit_index.ndim != 1 or self.logit_index.shape[0] < d:
+            raise ValueError(f"PagedStep.logit_index has shape {self.logit_index.shape}, expected (S,) with S >= "
+                             f"num_decode={d}: one entry per sampled row, decode rows first")
         if self.first_pages is not None and self.first_pages.shape != (r,):
             raise ValueError(f"PagedStep.first_pages has shape {self.first_pages.shape}, expected ({r},)")
         if self.first_pages is not None and self.attention.sliding_window is None:
@@ -193,9 +200,10 @@ class StepShape:
 
     decode_rows: int              # decode rows (= decode tokens), padding included
     prompt_tokens: int            # tokens of the prompt section, padding included
-    prompt_rows: int              # prompt rows
+    prompt_rows: int              # prompt rows (runs of one sequence's tokens), padding included
     prompt_width: int             # tokens per prompt row at most (Wq)
     table_width: int              # block-table width in pages (W)
+    prompt_seqs: int              # sampled prompt sequences, padding included (<= prompt_rows)
 
     @property
     def tokens(self) -> int:
@@ -203,14 +211,20 @@ class StepShape:
 
     @property
     def rows(self) -> int:
+        """Block-table rows."""
         return self.decode_rows + self.prompt_rows
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows that sample a token (logit_index entries)."""
+        return self.decode_rows + self.prompt_seqs
 
     def abstract(self, attention: AttentionConfig) -> PagedStep:
         """The step's operands as shapes (for compiling ahead of a call)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         t, r = self.tokens, self.rows
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
-                         i32(r), self.decode_rows, attention, None if attention.sliding_window is None else i32(r))
+                         i32(self.sampled_rows), self.decode_rows, attention, None if attention.sliding_window is None else i32(r))
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,

@@ -1,0 +1,139 @@
+"""Which programs the engine's steps run: mixed steps split into a decode and a prompt program, the
+kernels' prompt rows cut into tiles, and the finite program table compiled at start-up.
+
+Correctness is stated against the engine's other layout (one program per mixed step, one prompt
+row per sequence) on the unquantized float32 checkpoint: the same tokens, log-probs to float32
+summation order. The kernels' layout runs on a CPU through the XLA fallbacks that the kernels'
+``platform_dependent`` calls lower to there, so its shapes and program table are checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from fixture_paths import fixture_dir
+from modelopt_jax import LLM, SamplingParams
+from modelopt_jax.engine import Engine, EngineConfig
+from modelopt_jax.engine.buckets import decode_buckets, token_buckets
+from modelopt_jax.engine.runner import PROMPT_TILE
+from modelopt_jax.errors import ConfigError
+from modelopt_jax.ops.paged_step import AttentionConfig
+
+KERNELS = AttentionConfig(16, decode="fused_kernel", prefill="kernel")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(fixture_dir("qwen2-bytes-bf16")), quantization=None, dtype="float32", max_model_len=256,
+               compilation_cache_dir=None, kv_cache_bytes=64 << 20, max_num_seqs=8)
+
+
+def _engine(llm, attention=None, **config):
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=128, kv_cache_bytes=64 << 20, precompile_samplers=())
+    return Engine(llm.model, max_model_len=llm.max_model_len, pad_id=llm.engine.runner.pad_id,
+                  config=EngineConfig(**{**defaults, **config}), attention=attention)
+
+
+def _workload(seed=0):
+    """Prompts of 3-150 tokens (several PROMPT_TILE rows; chunked across steps by a 128-token budget)
+    arriving while others decode: steps hold decodes and prompt chunks together."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 256, int(n)).tolist() for n in (3, 150, 40, 70, 9, 130, 64, 65, 17, 100)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, logprobs=1) for m in rng.integers(4, 12, len(prompts))]
+    return prompts, params
+
+
+def _run(llm, engine, prompts, params):
+    llm.engine = engine
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, dict(engine.last_stats)
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, atol=1e-4)
+
+
+def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
+    """A step holding decode rows and prompt chunks runs as a decode program and a prompt program
+    (one copy back): every request's tokens and log-probs equal the one-program step's, such steps
+    count as mixed steps, and no program holds both kinds of row."""
+    original = llm.engine
+    try:
+        prompts, params = _workload()
+        one, one_stats = _run(llm, _engine(llm, split_steps=False), prompts, params)
+        engine = _engine(llm)
+        two, two_stats = _run(llm, engine, prompts, params)
+    finally:
+        llm.engine = original
+    _assert_same(two, one)
+    # (the budgets differ: a split step's prompt chunks fill a prompt-token bucket, so chunks differ too)
+    assert two_stats["mixed_steps"] > 0 and one_stats["mixed_steps"] > 0
+    assert all(p.shape.decode_rows == 0 or p.shape.prompt_tokens == 0 for p in engine.runner.shapes)
+    assert two_stats["free_pages_after"] == two_stats["num_pages"] - 1  # (cached pages nobody holds count as free)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU these attention paths are the CUDA kernels, "
+                    "which round float32 to bf16 (tests/test_engine_gpu.py runs them)")
+def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm):
+    """Where the kernels run (here: their XLA fallbacks), prompt chunks are cut into rows of
+    PROMPT_TILE tokens, so a prompt program's shape depends on its token bucket alone: the engine
+    compiles the table (decode-row buckets + prompt-token buckets) at start-up, a greedy run then
+    compiles nothing, and its outputs equal the XLA layout's."""
+    original = llm.engine
+    try:
+        prompts, params = _workload(1)
+        greedy = [dataclasses.replace(p, logprobs=None) for p in params]
+        want, _ = _run(llm, _engine(llm), prompts, greedy)
+        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",))
+        assert engine.runner.has_program_table
+        table = engine.runner.program_table(128)
+        assert len(table) == len(decode_buckets(8)) + len(token_buckets(128)) == 1 + 4
+        assert engine.precompiled == len(table) and engine.runner.compiled_programs == set(table)
+        got, stats = _run(llm, engine, prompts, greedy)
+    finally:
+        llm.engine = original
+    _assert_same(got, want)
+    assert stats["inline_compiles"] == 0 and stats["mixed_steps"] > 0
+    assert engine.runner.shapes <= set(table)
+    # some prompt program really held a chunk longer than one tile
+    assert any(p.shape.prompt_width == PROMPT_TILE and p.shape.prompt_tokens > PROMPT_TILE
+               for p in engine.runner.shapes)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="see above")
+def test_a_program_outside_the_table_compiles_in_line_and_is_counted(llm):
+    """Log-probs and samplers outside the precompiled table still run (compiled on first use), and
+    ``inline_compiles`` says how many programs a run waited for."""
+    original = llm.engine
+    try:
+        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",))
+        _, stats = _run(llm, engine, [[5, 6, 7, 8]], [SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True)])
+    finally:
+        llm.engine = original
+    assert stats["inline_compiles"] == 2  # its prompt program and its decode program, with log-probs
+
+
+def test_the_program_table_is_refused_where_programs_have_no_table(llm):
+    """XLA's attention gathers a power of two of pages per step: its programs form no table, and
+    asking for one is an error rather than a table that steps would not use."""
+    engine = llm.engine
+    assert not engine.runner.has_program_table  # the CPU's default paths
+    with pytest.raises(ValueError, match="form a table only where"):
+        engine.runner.program_table(128)
+    assert engine.precompiled == 0
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("split_steps", 1, "split_steps=1 must be a bool"),
+    ("precompile_samplers", ["greedy"], "precompile_samplers=\\['greedy'\\] must be a tuple of"),
+    ("precompile_samplers", ("beam",), "must be a tuple of 'greedy', 'tempered', 'truncated'"),
+])
+def test_bad_step_program_settings_are_typed_errors(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**{field: value})
