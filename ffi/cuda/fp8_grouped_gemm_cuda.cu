@@ -1,12 +1,13 @@
 // XLA FFI handler of the modelopt_fp8_grouped_gemm op on CUDA: validates the call (the parser the
 // CPU handler uses), picks a grouped tile configuration by rows per group (or the one `tile`
-// names, for tuning), takes the configuration's workspace from XLA's scratch allocator and
-// launches setup, GEMM and tail on XLA's stream (fp8_grouped_gemm_kernel.cuh). Every failure
-// returns an ffi::Error; nothing aborts the process.
+// names, for tuning), runs it in the workspace the call's second result provides (sized at trace
+// time by ModeloptFp8GroupedGemmWorkspaceBytes; XLA's scratch allocator refused such requests under
+// JAX, 2026-12-05) and launches setup, GEMM and tail on XLA's stream (fp8_grouped_gemm_kernel.cuh).
+// Every failure returns an ffi::Error; nothing aborts the process.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <optional>
+#include <cstdint>
 #include <string>
 
 #include "../fp8_grouped_gemm_problem.h"
@@ -16,9 +17,32 @@
 namespace modelopt_jax::cuda {
 namespace {
 
-ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+// The configurations compiled for the device's compute capability (null where none are).
+const GroupedKernelConfig* DeviceConfigs(const DeviceInfo& info, int* count) {
+  *count = 0;
+#ifdef MODELOPT_JAX_HAVE_SM90
+  if (info.major == 9) return *count = kNumSm90GroupedConfigs, kSm90GroupedConfigs;
+#endif
+#ifdef MODELOPT_JAX_HAVE_SM100
+  if (info.major == 10) return *count = kNumSm100GroupedConfigs, kSm100GroupedConfigs;
+#endif
+  return nullptr;
+}
+
+// The workspace every configuration fits: the result the handler gets is this big, whichever runs.
+// The base pointer is aligned up to kWorkspaceAlign inside it.
+constexpr size_t kWorkspaceAlign = 256;
+
+size_t WorkspaceBound(const GroupedKernelConfig* table, int count, const GroupedLaunchArgs& args) {
+  size_t bytes = 0;
+  for (int i = 0; i < count; ++i) bytes = std::max(bytes, table[i].workspace_bytes(args));
+  return bytes + kWorkspaceAlign;
+}
+
+ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer col_scale, ffi::RemainingArgs extra,
-                              ffi::Result<ffi::AnyBuffer> out, bool has_row_scale, int32_t tile) {
+                              ffi::Result<ffi::AnyBuffer> out, bool has_row_scale, int32_t tile,
+                              ffi::Result<ffi::AnyBuffer> workspace) {
   Fp8GroupedGemmProblem p;
   if (auto e = ParseFp8GroupedGemmProblem(a, b, group_sizes, col_scale, extra, *out, has_row_scale, tile, &p);
       e.failure()) {
@@ -44,19 +68,15 @@ ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     return ffi::Error::Internal("modelopt_fp8_grouped_gemm: cudaGetDevice failed");
   }
   const DeviceInfo info = GetDeviceInfo(device);
-  const GroupedKernelConfig* table = nullptr;
   int count = 0, chosen = -1;
+  const GroupedKernelConfig* table = DeviceConfigs(info, &count);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
   const int groups = static_cast<int>(p.groups);
 #ifdef MODELOPT_JAX_HAVE_SM90
-  if (info.major == 9) {
-    table = kSm90GroupedConfigs, count = kNumSm90GroupedConfigs, chosen = ChooseSm90GroupedConfig(m, n, k, groups);
-  }
+  if (info.major == 9) chosen = ChooseSm90GroupedConfig(m, n, k, groups);
 #endif
 #ifdef MODELOPT_JAX_HAVE_SM100
-  if (info.major == 10) {
-    table = kSm100GroupedConfigs, count = kNumSm100GroupedConfigs, chosen = ChooseSm100GroupedConfig(m, n, k, groups);
-  }
+  if (info.major == 10) chosen = ChooseSm100GroupedConfig(m, n, k, groups);
 #endif
   if (table == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -75,13 +95,15 @@ ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   args.out_bf16 = p.out_type == OutType::kBF16;
   args.stream = stream, args.device = device, args.sm_count = info.sm_count;
   const GroupedKernelConfig& config = table[index];
-  const size_t bytes = config.workspace_bytes(args);
-  std::optional<void*> workspace = scratch.Allocate(bytes, 256);
-  if (!workspace.has_value()) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "modelopt_fp8_grouped_gemm: could not allocate " + std::to_string(bytes) + " bytes of workspace");
+  const size_t need = config.workspace_bytes(args) + kWorkspaceAlign;
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
+    return InvalidGrouped("the workspace result must be uint8 of at least " + std::to_string(need) +
+                          " bytes (ModeloptFp8GroupedGemmWorkspaceBytes), got " +
+                          std::to_string(workspace->size_bytes()));
   }
-  const LaunchStatus status = config.run(args, *workspace);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(workspace->untyped_data());
+  void* aligned = reinterpret_cast<void*>((base + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign);
+  const LaunchStatus status = config.run(args, aligned);
   if (status != LaunchStatus::kOk) {
     return ffi::Error::Internal(std::string("modelopt_fp8_grouped_gemm [") + config.name + "] M=" + std::to_string(m) +
                                 " N=" + std::to_string(n) + " K=" + std::to_string(k) + " G=" +
@@ -97,12 +119,28 @@ ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
 }  // namespace
 }  // namespace modelopt_jax::cuda
 
-// Not command-buffer compatible: the workspace comes from the scratch allocator at each call.
+// Not command-buffer compatible (it asks the runtime for the device and may memset).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GroupedGemmCuda, modelopt_jax::cuda::Fp8GroupedGemmCuda,
                               modelopt_jax::BindFp8GroupedGemmOperands(
-                                  xla::ffi::Ffi::Bind()
-                                      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<xla::ffi::ScratchAllocator>()));
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace [W] uint8
+
+// Bytes of the uint8 workspace result a call with these dimensions needs on the current device
+// (every configuration fits it, plus alignment slack); -1 where no configuration is compiled for
+// the device or the runtime cannot name it. Called at trace time (ops/grouped_gemm.py).
+extern "C" long long ModeloptFp8GroupedGemmWorkspaceBytes(int m, int n, int k, int groups, int out_bf16) {
+  using namespace modelopt_jax::cuda;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || m < 0 || n < 0 || k < 0 || groups < 0) return -1;
+  const DeviceInfo info = GetDeviceInfo(device);
+  int count = 0;
+  const GroupedKernelConfig* table = DeviceConfigs(info, &count);
+  if (table == nullptr) return -1;
+  GroupedLaunchArgs args;
+  args.m = m, args.n = n, args.k = k, args.groups = groups, args.out_bf16 = out_bf16 != 0;
+  args.device = device, args.sm_count = info.sm_count;
+  return static_cast<long long>(WorkspaceBound(table, count, args));
+}
 
 // Names of the compiled grouped configurations (bench/grouped_gemm.py): returns the count, and
 // copies the name of configuration `index` (for compute capability `major`) into `buffer`.

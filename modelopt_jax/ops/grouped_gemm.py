@@ -57,6 +57,7 @@ def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col
     if backend == "xla":
         return _xla(*args, out_dtype=out_dtype)
     ffi = lambda *a: _ffi(*_unpack(a, row), out_dtype=out_dtype, tile=tile)  # noqa: E731
+    ffi_cuda = lambda *a: _ffi(*_unpack(a, row), out_dtype=out_dtype, tile=tile, cuda=True)  # noqa: E731
     xla = lambda *a: _xla(*_unpack(a, row), out_dtype=out_dtype)  # noqa: E731
     operands = [a for a in args if a is not None]
     if backend == "ffi":
@@ -69,10 +70,10 @@ def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col
         if on_gpu and not _cuda_qualifies(w_q, out_dtype):
             raise ValueError(f"grouped_fp8_gemm backend 'ffi' on CUDA needs bfloat16/float16 output, K % 16 == 0 "
                              f"and N % 8 == 0; got out {jnp.dtype(out_dtype)}, w {w_q.shape}")
-        return ffi(*operands)
+        return (ffi_cuda if on_gpu else ffi)(*operands)
     branches = {}
     if native.has_cuda_grouped_handler() and _cuda_qualifies(w_q, out_dtype):
-        branches["cuda"] = ffi
+        branches["cuda"] = ffi_cuda
     if native.has_cpu_grouped_handler():
         branches["cpu"] = ffi
     if not branches:
@@ -102,11 +103,19 @@ def _xla(x_q, w_q, group_sizes, col, row, *, out_dtype):
     return y.astype(out_dtype)
 
 
-def _ffi(x_q, w_q, group_sizes, col, row, *, out_dtype, tile=-1):
+def _ffi(x_q, w_q, group_sizes, col, row, *, out_dtype, tile=-1, cuda=False):
+    """The custom call. On CUDA it has a second result, the kernels' workspace (the per-group problem
+    table and CUTLASS's own), sized here for the current device and discarded."""
     operands = [x_q, w_q, group_sizes, col] + ([] if row is None else [row])
-    call = jax.ffi.ffi_call(native.GROUPED_TARGET, jax.ShapeDtypeStruct((x_q.shape[0], w_q.shape[1]), out_dtype),
+    out = jax.ShapeDtypeStruct((x_q.shape[0], w_q.shape[1]), out_dtype)
+    if not cuda:
+        call = jax.ffi.ffi_call(native.GROUPED_TARGET, out, vmap_method="broadcast_all")
+        return call(*operands, has_row_scale=row is not None, tile=np.int32(tile))
+    (m, k), (groups, n, _) = x_q.shape, w_q.shape
+    size = native.grouped_workspace_bytes(m, n, k, groups, jnp.dtype(out_dtype) == jnp.bfloat16)
+    call = jax.ffi.ffi_call(native.GROUPED_TARGET, (out, jax.ShapeDtypeStruct((size,), jnp.uint8)),
                             vmap_method="broadcast_all")
-    return call(*operands, has_row_scale=row is not None, tile=np.int32(tile))
+    return call(*operands, has_row_scale=row is not None, tile=np.int32(tile))[0]
 
 
 def reference(x_q: np.ndarray, w_q: np.ndarray, group_sizes: np.ndarray, col: np.ndarray,

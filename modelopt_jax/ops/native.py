@@ -128,8 +128,23 @@ def has_cuda_handler() -> bool:
 
 
 def has_cuda_grouped_handler() -> bool:
+    """Whether the CUDA library has the grouped GEMM's handler and its workspace-size export."""
     lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCuda")
+    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCuda") and \
+        hasattr(lib, "ModeloptFp8GroupedGemmWorkspaceBytes")
+
+
+def grouped_workspace_bytes(m: int, n: int, k: int, groups: int, out_bf16: bool) -> int:
+    """Bytes of the uint8 workspace result the CUDA grouped GEMM needs for these dimensions on the
+    current device (what every compiled configuration fits)."""
+    lib = cuda_library()
+    fn = lib.ModeloptFp8GroupedGemmWorkspaceBytes
+    fn.restype = ctypes.c_longlong
+    fn.argtypes = [ctypes.c_int] * 5
+    size = int(fn(m, n, k, groups, int(out_bf16)))
+    if size < 0:
+        raise RuntimeError("modelopt_fp8_grouped_gemm: no grouped configuration is compiled for this device")
+    return size
 
 
 def has_paged_decode_kernel() -> bool:
