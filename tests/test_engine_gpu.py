@@ -81,16 +81,17 @@ def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(check
     assert engine.precompiled == len(table)
     assert {p.shape for p in engine.runner.shapes} <= {p.shape for p in table}
     assert stats["mixed_steps"] > 0 and one_stats["mixed_steps"] > 0
-    # The synthetic model's logits are nearly flat (top-2 margins mostly under 0.3), so the tokens are
-    # compared where both runs agree so far: there each chosen token's log-prob must match to bf16/FP8
-    # noise, and the first tokens (each request's prompt program) must mostly agree.
+    # The synthetic model's logits are nearly flat (top-2 margins mostly under 0.3), so a token may
+    # differ between the runs: where they agree so far each chosen token's log-prob must match to
+    # bf16/FP8 noise, and where they first differ the two picks must be a near-tie (each run's top
+    # log-prob within that noise of the other's), so neither run chose a token the other found unlikely.
     first_equal = compared = 0
     for g, w in zip(split, one):
         first_equal += g.token_ids[:1] == w.token_ids[:1]
         for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
+            assert abs(g.logprobs[i][a] - w.logprobs[i][b]) < 0.25, (i, g.logprobs[i], w.logprobs[i])
             if a != b:
                 break
-            assert abs(g.logprobs[i][a] - w.logprobs[i][b]) < 0.25, (i, g.logprobs[i], w.logprobs[i])
             compared += 1
     print(f"first tokens equal {first_equal}/{len(one)}, tokens compared {compared}")
-    assert first_equal >= 0.8 * len(one)
+    assert compared >= len(one)
