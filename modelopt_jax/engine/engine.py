@@ -177,8 +177,8 @@ class Engine:
     def precompile(self, samplers=("greedy",), workers: int | None = None) -> int:
         """Compiles every step program this engine's steps can run with ``samplers`` and no log-probs
         (:meth:`Runner.program_table`), so that no step waits for a compile: a program is a
-        whole-model compile (an 8B step took 8-9 s on the H200) and a first run that meets 20 of them
-        spent most of its time compiling. ``workers`` compiles run at once (default: half the CPUs, at
+        whole-model compile, and a first run that meets a score of them spends most of its time
+        compiling (bench/RESULTS.md). ``workers`` compiles run at once (default: half the CPUs, at
         most 8; JAX's persistent cache makes a later start load them instead). Returns how many
         were compiled. Only where the programs form a table (``runner.has_program_table``)."""
         if workers is None:
