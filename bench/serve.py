@@ -427,7 +427,9 @@ def main():
     wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
-          f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB)", flush=True)
+          f"({llm.engine.pool.num_pages * llm.engine.pool.page_size * kvt / 1e9:.1f} GB); "
+          f"{llm.engine.precompiled} step programs compiled at start-up in {llm.engine.precompile_seconds:.1f} s",
+          flush=True)
     report = {"device": dev.device_kind, "attention": dataclasses.asdict(llm.engine.runner.attention),
               "engine": dataclasses.asdict(llm.engine.config), "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static, "scale": args.scale,
