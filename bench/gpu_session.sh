@@ -5,7 +5,7 @@
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
 #                             [prefill-tests] [attn-prefill] [grouped-tests] [grouped-bench ARGS...]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
-#                                    [noprefix] [engine K=V[,K=V]]...]
+#                                    [noprefix] [nocascade] [engine K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
@@ -95,6 +95,9 @@ print('memcheck sample done')
       [ -f "$ckpt/config.json" ] || python3 -c "import os; from modelopt_jax.synthetic import write_checkpoint as w; w('$ckpt', family='llama', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_shard_bytes=5 << 30, workers=os.cpu_count() or 1)"
       python3 bench/generate.py --checkpoint "$ckpt" --tensor-parallel 1,2 --batches 1,8,64 --new 64 \
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
+    cascade-tests) shift
+      python3 -m pytest -q -p no:cacheprovider -s tests/test_cascade_attention.py tests/test_engine_gpu.py \
+        2>&1 | tee "$OUT/cascade_tests.log" | tail -25 ;;
     attn-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_engine_gpu.py \
         2>&1 | tee "$OUT/attn_tests.log" | tail -25 ;;
@@ -115,12 +118,13 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention decode_variant=staged)
         [ "$1" = noprefill ] && extra+=(--attention prefill=xla); [ "$1" = nofusedwrite ] && extra+=(--attention decode=kernel)
         [ "$1" = noprefix ] && extra+=(--no-prefix-caching)  # LLM(enable_prefix_caching=False)
+        [ "$1" = nocascade ] && extra+=(--attention cascade_group=0)  # decode rows read shared prefixes themselves
         tag+="_$1"; shift
       done
       pj=${PEER_JSON:-${peer_json:-}}; [ -n "$pj" ] && [ -f "$pj" ] && extra+=(--peer-json "$pj")  # ours/vLLM

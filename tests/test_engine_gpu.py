@@ -95,3 +95,41 @@ def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(check
             compared += 1
     print(f"first tokens equal {first_equal}/{len(one)}, tokens compared {compared}")
     assert compared >= len(one)
+
+
+def test_cascade_attention_generates_what_plain_decode_steps_do(checkpoint):
+    """On CUDA, 24 requests behind one 300-token system prompt (and 6 without it), 4 samples each
+    of two of them: with cascade attention (the default here) the shared prompt's pages are read once
+    per group of decode rows, and the tokens are the plain decode kernel's up to near-ties (bf16
+    attention summed in another order)."""
+    rng = np.random.default_rng(4)
+    system = rng.integers(10, 1000, 300).tolist()
+    prompts = [system + rng.integers(10, 1000, int(n)).tolist() for n in rng.integers(1, 80, 24)]
+    prompts += [rng.integers(10, 1000, int(n)).tolist() for n in rng.integers(2, 300, 6)]
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True, logprobs=2) for n in rng.integers(8, 40, 30)]
+    params[0] = params[3] = SamplingParams(max_tokens=20, n=4, temperature=0.7, seed=5, logprobs=2)
+    runs = {}
+    for group in (None, 0):
+        llm = LLM(checkpoint, max_model_len=1024, kv_cache_bytes=64 << 20, max_num_seqs=32,
+                  compilation_cache_dir=None, precompile=False)
+        if group is None:
+            assert llm.engine.runner.attention.cascade_group == 16  # 64 // (8 heads / 2 kv heads)
+        else:
+            old, llm.engine = llm.engine, None
+            llm.engine = Engine(llm.model, max_model_len=1024, pad_id=old.runner.pad_id, config=old.config,
+                                attention=llm.model.attention_config(old.config.page_size, cascade_group=0))
+            del old
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[group] = (outs, dict(llm.engine.last_stats))
+    (cascade, stats), (plain, plain_stats) = runs[None], runs[0]
+    assert stats["shared_prefix_rows"] > 0 and plain_stats["shared_prefix_rows"] == 0
+    compared = 0
+    for g, w in zip(cascade, plain):
+        for cg, cw in zip(g.outputs, w.outputs):
+            for i, (a, b) in enumerate(zip(cg.token_ids, cw.token_ids)):
+                assert abs(cg.logprobs[i][a] - cw.logprobs[i][b]) < 0.25, (i, cg.logprobs[i], cw.logprobs[i])
+                if a != b:
+                    break
+                compared += 1
+    print(f"cascade rows {stats['shared_prefix_rows']}, tokens compared {compared}")
+    assert compared >= len(prompts)

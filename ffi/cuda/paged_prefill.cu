@@ -26,6 +26,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -60,6 +61,8 @@ struct Params {
   const int32_t* row_tokens;  // [R, Wq], T = padding
   const int32_t* positions;   // [T]
   float* out;                 // [T, H, D]
+  float* lse;                 // [T, H] natural log of each (token, head)'s softmax denominator (scores
+                              // scaled), -inf where it saw no key; null: not wanted
   int tokens, kv_heads, table_width, row_width, page, page_shift;  // page_shift: log2(page), or -1
   float score_scale;          // softmax scale x FP8 key scale x log2(e)
   float v_scale;              // FP8 value scale (1 otherwise)
@@ -301,6 +304,15 @@ __global__ void __launch_bounds__(kWarps * 32, 3) PagedPrefillKernel(Params p) {
     if (out_lo) *reinterpret_cast<float2*>(out_lo + c) = make_float2(o[n][0] * inv_lo, o[n][1] * inv_lo);
     if (out_hi) *reinterpret_cast<float2*>(out_hi + c) = make_float2(o[n][2] * inv_hi, o[n][3] * inv_hi);
   }
+  if (p.lse != nullptr && tq == 0) {  // m is in base 2 (the scores carry log2(e)); l is the whole row's sum
+    constexpr float kLn2 = 0.6931471805599453f;
+    if (tok_lo >= 0) {
+      p.lse[(size_t)tok_lo * H + kvh * G + (row0 + lo) % G] = l_lo > 0.f ? (m_lo + log2f(l_lo)) * kLn2 : -INFINITY;
+    }
+    if (tok_hi >= 0) {
+      p.lse[(size_t)tok_hi * H + kvh * G + (row0 + hi) % G] = l_hi > 0.f ? (m_hi + log2f(l_hi)) * kLn2 : -INFINITY;
+    }
+  }
 }
 
 ffi::Error Invalid(const std::string& what) {
@@ -348,10 +360,19 @@ bool DispatchD(int d, int g, const Params& p, int rows, cudaStream_t stream) {
   return false;
 }
 
-ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
-                            ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale,
-                            float v_scale, float softmax_scale, int32_t page) {
+// Fills the lse result with -inf: tokens in no row, and rows whose CTA saw no real position (it
+// returns before writing), saw no key.
+__global__ void FillNegInf(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    x[i] = -INFINITY;
+  }
+}
+
+// The handlers' body; ``lse`` (lse_size floats) only for the log-sum-exp variant, else null.
+ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::S32> positions,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale, float softmax_scale,
+                        int32_t page, float* lse, int64_t lse_size) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions(), rd = row_tokens.dimensions();
   if (qd.size() != 3) return Invalid("q must be [tokens, heads, head_dim], got " + Dims(qd));
   if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
@@ -386,12 +407,17 @@ ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::A
   if (cudaError_t err = cudaMemsetAsync(out->typed_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
     return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
   }
+  if (lse != nullptr && lse_size > 0) {
+    const int blocks = static_cast<int>(std::min<int64_t>((lse_size + 255) / 256, 1024));
+    FillNegInf<<<blocks, 256, 0, stream>>>(lse, lse_size);
+  }
   if (rows == 0 || row_width == 0) return ffi::Error::Success();
 
   Params p;
   p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
   p.tables = tables.typed_data(), p.row_tokens = row_tokens.typed_data(), p.positions = positions.typed_data();
   p.out = out->typed_data();
+  p.lse = lse;
   p.tokens = static_cast<int>(tokens), p.kv_heads = static_cast<int>(kv_heads);
   p.table_width = static_cast<int>(td[1]), p.row_width = static_cast<int>(row_width), p.page = page;
   p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
@@ -417,6 +443,14 @@ ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::A
   return ffi::Error::Success();
 }
 
+ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
+                            ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale,
+                            float v_scale, float softmax_scale, int32_t page) {
+  return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
+                      nullptr, 0);
+}
+
 // Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
 // element the kernel fails to write shows.
 ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -425,6 +459,22 @@ ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q
                                     ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale,
                                     float softmax_scale, int32_t page) {
   return PagedPrefillCuda(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page);
+}
+
+// The cascade attention's variant: a second result, lse [T, H] float32, the natural log-sum-exp of
+// each (token, head)'s scaled scores (-inf where it saw no key), so that the engine can merge this
+// attention over a shared prefix with the decode kernel's over each row's own pages.
+ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
+                               ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse, float k_scale, float v_scale,
+                               float softmax_scale, int32_t page) {
+  const auto qd = q.dimensions(), ld = lse->dimensions();
+  if (qd.size() != 3 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != qd[1]) {
+    return Invalid("lse must be [tokens, heads] of q " + Dims(qd) + ", got " + Dims(ld));
+  }
+  return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
+                      lse->typed_data(), static_cast<int64_t>(lse->element_count()));
 }
 
 template <typename Binding>
@@ -452,6 +502,15 @@ auto BindOperands() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCuda, modelopt_jax::cuda::PagedPrefillCuda,
                               modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::PagedPrefillLseCuda,
+                              modelopt_jax::cuda::BindOperands()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("k_scale")
+                                  .Attr<float>("v_scale")
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int32_t>("page_size"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCudaPoisoned, modelopt_jax::cuda::PagedPrefillCudaPoisoned,
                               modelopt_jax::cuda::BindResultsAndAttrs(

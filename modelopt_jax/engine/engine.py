@@ -343,6 +343,7 @@ class Engine:
                                                      - self._window_released_before),
                            "programs": len(self.runner.shapes),
                            "inline_compiles": self.runner.inline_compiles - self._inline_compiles_before,
+                           "shared_prefix_rows": self.runner.shared_prefix_rows - self._shared_prefix_rows_before,
                            "num_pages": self.pool.num_pages,
                            "free_pages_after": self.pool.free, "cached_pages_after": self.pool.cached}
         return group_outputs(requests, tokenizer)
@@ -357,6 +358,7 @@ class Engine:
         self._evictions_before = self.pool.evictions
         self._window_released_before = self._scheduler.window_released_pages
         self._inline_compiles_before = self.runner.inline_compiles
+        self._shared_prefix_rows_before = self.runner.shared_prefix_rows
 
 
 def _progress(total: int, enabled: bool):

@@ -158,6 +158,9 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype,
                                    window=config.sliding_window, first_pages=None if first is None else first[:d])
     kernel_args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
+    if d == t and config.decode == "fused_kernel" and step.shared_lengths is not None:
+        out, k_pool, v_pool = _cascade_decode(q, k_new, v_new, k_pool, v_pool, step, fused=True, **kernel_args)
+        return out, k_pool, v_pool
     if d == t and config.decode == "fused_kernel":
         fused = functools.partial(_kernel_write_paged_attention, **kernel_args, variant=config.decode_variant,
                                   splits=config.decode_splits)
@@ -170,7 +173,9 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
                                           step.block_tables[:d], cuda=fused, default=scatter_then_xla)
     k_pool, v_pool = k_pool.at[step.slots].set(k_new), v_pool.at[step.slots].set(v_new)
     parts = []
-    if d:
+    if d and step.shared_lengths is not None:
+        parts.append(_cascade_decode(q[:d], None, None, k_pool, v_pool, step, fused=False, **kernel_args)[0])
+    elif d:
         operands = (q[:d], k_pool, v_pool, decode_rows, step.positions[:d], step.block_tables[:d])
         if config.decode == "xla":
             parts.append(xla_decode(*operands))
@@ -190,6 +195,108 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
             parts.append(jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_prefill))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return out, k_pool, v_pool
+
+
+def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: bool, k_scale, v_scale, page_size,
+                    dtype):
+    """Decode rows' attention as two parts merged by their log-sum-exps (cascade attention): each
+    group's shared prefix (``step.shared_tables``), read once per group, all its rows' queries
+    scored against each key as it arrives (the prefill kernel, or XLA), and each row's own pages
+    after it (the decode kernel over its table shifted past the prefix, or XLA). Exact in real
+    arithmetic: softmax over the union of two key sets is the two softmaxes weighted by their
+    denominators. ``fused``: the decode kernel also stores the step's keys/values (``k_new``,
+    ``v_new``). Returns ``(out [d, H * D] in dtype, k_pool, v_pool)``."""
+    config, d = step.attention, step.num_decode
+    _, h, hd = q.shape
+    group = config.cascade_group
+    shared = step.shared_lengths                                           # [d]
+    width = step.block_tables.shape[1]
+    if width < 2:
+        raise ValueError("cascade attention needs block tables at least 2 pages wide (the decode kernel's split "
+                         "partials carry the log-sum-exp)")
+    # each row's own pages: its table shifted past its group's shared pages; its length past them too
+    index = jnp.arange(width, dtype=jnp.int32)[None] + (shared // page_size)[:, None]
+    tables = step.block_tables[:d]
+    own_tables = jnp.where(index < width, jnp.take_along_axis(tables, jnp.minimum(index, width - 1), axis=1), 0)
+    own_positions = step.positions[:d] - shared
+    decode_rows = jnp.arange(d, dtype=jnp.int32)
+    args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page_size, dtype=dtype)
+    xla_own = functools.partial(_xla_attention_lse, **args)
+    if fused:
+        def kernel_own(q, k_new, v_new, k_pool, v_pool, slots, tables, positions):
+            return _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, decode_rows, positions, tables,
+                                                 **args, variant=config.decode_variant, splits=config.decode_splits,
+                                                 with_lse=True)
+
+        def scatter_then_xla(q, k_new, v_new, k_pool, v_pool, slots, tables, positions):
+            k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+            return (*xla_own(q, k_pool, v_pool, tables, positions + 1), k_pool, v_pool)
+
+        own_out, own_lse, k_pool, v_pool = jax.lax.platform_dependent(
+            q, k_new, v_new, k_pool, v_pool, step.slots, own_tables, own_positions, cuda=kernel_own,
+            default=scatter_then_xla)
+    else:
+        operands = (q, k_pool, v_pool, own_tables, own_positions)
+        if config.decode == "xla":
+            own_out, own_lse = xla_own(q, k_pool, v_pool, own_tables, own_positions + 1)
+        else:
+            def kernel_own(q, k_pool, v_pool, tables, positions):
+                return _kernel_paged_attention(q, k_pool, v_pool, decode_rows, positions, tables, **args,
+                                               variant=config.decode_variant, splits=config.decode_splits,
+                                               with_lse=True)
+
+            own_out, own_lse = jax.lax.platform_dependent(
+                *operands, cuda=kernel_own,
+                default=lambda q, k_pool, v_pool, tables, positions: xla_own(q, k_pool, v_pool, tables, positions + 1))
+    # the shared prefixes: group c's rows are decode rows c*K .. c*K+K-1 (d marks padding)
+    groups = step.shared_tables.shape[0]
+    group_rows = jnp.arange(groups * group, dtype=jnp.int32)
+    row_tokens = jnp.where(group_rows < d, group_rows, d).reshape(groups, group)
+
+    def xla_shared(q, k_pool, v_pool, shared_tables, shared):
+        return xla_own(q, k_pool, v_pool, shared_tables[jnp.arange(d) // group], shared)
+
+    def kernel_shared(q, k_pool, v_pool, shared_tables, shared):
+        return _prefill_kernel_lse(q, k_pool, v_pool, shared_tables, row_tokens, shared - 1, **args)
+
+    operands = (q, k_pool, v_pool, step.shared_tables, shared)
+    if config.prefill == "xla":
+        pre_out, pre_lse = xla_shared(*operands)
+    else:
+        pre_out, pre_lse = jax.lax.platform_dependent(*operands, cuda=kernel_shared, default=xla_shared)
+    member = (shared > 0)[:, None]                                          # [d, 1]
+    pre_lse = jnp.where(member, pre_lse, -jnp.inf)
+    pre_out = jnp.where(member[:, :, None], pre_out, 0.0)
+    top = jnp.maximum(pre_lse, own_lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_pre, w_own = jnp.exp(pre_lse - top), jnp.exp(own_lse - top)         # [d, H]
+    total = w_pre + w_own
+    out = (pre_out * w_pre[..., None] + own_out * w_own[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(d, h * hd).astype(dtype), k_pool, v_pool
+
+
+def _xla_attention_lse(q, k_pool, v_pool, tables, lengths, *, k_scale, v_scale, page_size, dtype):
+    """XLA: token t's attention over keys 0 .. lengths[t] - 1 of its own table ``tables[t]`` [T, W]:
+    ``(out [T, H, D] float32, lse [T, H])``, lse the natural log-sum-exp of its scaled scores
+    (-inf where it saw no key, its output then 0)."""
+    t, h, hd = q.shape
+    kv = k_pool.shape[1]
+    g = h // kv
+    width = tables.shape[1]
+    slots = (tables[:, :, None] * page_size + jnp.arange(page_size, dtype=tables.dtype)).reshape(t, width * page_size)
+    k = decode_stored(k_pool[slots], k_scale, dtype)                        # [T, S, KV, D]
+    v = decode_stored(v_pool[slots], v_scale, dtype)
+    scores = jnp.einsum("tkgd,tskd->tkgs", q.astype(dtype).reshape(t, kv, g, hd), k,
+                        preferred_element_type=jnp.float32) * np.float32(hd ** -0.5)
+    visible = (jnp.arange(width * page_size, dtype=lengths.dtype)[None] < lengths[:, None])[:, None, None]
+    scores = jnp.where(visible, scores, _FLOOR)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(visible, jnp.exp(scores - top), 0.0)
+    total = jnp.sum(probs, axis=-1)                                         # [T, KV, G]
+    out = jnp.einsum("tkgs,tskd->tkgd", (probs / jnp.where(total > 0, total, 1.0)[..., None]).astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return out.reshape(t, h, hd), lse.reshape(t, h)
 
 
 def _decode_like(q, block_tables) -> bool:
@@ -265,10 +372,34 @@ def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_sc
     return operands, out_types, attrs
 
 
+def _split_lse(partial_ml: jax.Array) -> jax.Array:
+    """The log-sum-exp [T, H] of the decode kernel's split partials [T, KV, S, G, 2] (each split's
+    running max, natural units, and its sum of exponentials under it; empty splits -inf, 0)."""
+    t, kv, _, g, _ = partial_ml.shape
+    m, l = partial_ml[..., 0], partial_ml[..., 1]
+    top = jnp.max(m, axis=2, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    total = jnp.sum(jnp.where(l > 0, l * jnp.exp(m - top), 0.0), axis=2)
+    lse = jnp.where(total > 0, top[:, :, 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return lse.reshape(t, kv * g)
+
+
+def _lse_splits(splits: int | None, q, k_pool, block_tables) -> int:
+    """At least two splits: the kernel writes its partials (which carry the log-sum-exp) only then."""
+    if splits is None:
+        splits = kernel_splits(q.shape[0], k_pool.shape[1], block_tables.shape[1], _sm_count(),
+                               jnp.dtype(k_pool.dtype).itemsize)
+    return max(2, splits)
+
+
 def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
-                            dtype, out_init=None, variant="mma", splits=None):
+                            dtype, out_init=None, variant="mma", splits=None, with_lse: bool = False):
+    """The decode kernel; ``with_lse``: ``(out [T, H, D] float32, lse [T, H])`` instead of ``out``
+    [T, H * D] in ``dtype`` (cascade attention merges it with a shared prefix's)."""
     from modelopt_jax.ops import native
 
+    if with_lse:
+        splits = _lse_splits(splits, q, k_pool, block_tables)
     operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
                                               v_scale=v_scale, page_size=page_size, dtype=dtype, variant=variant,
                                               splits=splits)
@@ -277,16 +408,22 @@ def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tabl
         target, aliases = native.PAGED_DECODE_POISONED_TARGET, {len(operands): 0}
         operands.append(out_init)
     call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all", input_output_aliases=aliases)
-    out, _, _ = call(*operands, **attrs)
+    out, _, partial_ml = call(*operands, **attrs)
+    if with_lse:
+        return out, _split_lse(partial_ml)
     t, h, d = q.shape
     return out.reshape(t, h * d).astype(dtype)
 
 
 def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables, *,
-                                  k_scale, v_scale, page_size, dtype, variant="mma", splits=None):
-    """The decode kernel writing this step's rows into the pools (results 3, 4: the pools, in place)."""
+                                  k_scale, v_scale, page_size, dtype, variant="mma", splits=None,
+                                  with_lse: bool = False):
+    """The decode kernel writing this step's rows into the pools (results 3, 4: the pools, in place).
+    ``with_lse``: returns ``(out [T, H, D] float32, lse [T, H], k_pool, v_pool)`` (cascade attention)."""
     from modelopt_jax.ops import native
 
+    if with_lse:
+        splits = _lse_splits(splits, q, k_pool, block_tables)
     if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
         raise ValueError(f"new keys/values ({k_new.dtype}, {v_new.dtype}) must be in the pool's dtype "
                          f"({k_pool.dtype}): pass KVBuffer.encode(...)")
@@ -297,7 +434,9 @@ def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_
     out_types += (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
     call = jax.ffi.ffi_call(native.PAGED_DECODE_WRITE_TARGET, out_types, vmap_method="broadcast_all",
                             input_output_aliases={1: 3, 2: 4})
-    out, _, _, k_pool, v_pool = call(*operands, **attrs)
+    out, _, partial_ml, k_pool, v_pool = call(*operands, **attrs)
+    if with_lse:
+        return out, _split_lse(partial_ml), k_pool, v_pool
     t, h, d = q.shape
     return out.reshape(t, h * d).astype(dtype), k_pool, v_pool
 
@@ -323,6 +462,24 @@ def _prefill_kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, bl
                v_scale=np.float32(1.0 if v_scale is None else v_scale),
                softmax_scale=np.float32(d ** -0.5), page_size=np.int32(page_size))
     return out.reshape(t, h * d).astype(dtype)
+
+
+def _prefill_kernel_lse(q, k_pool, v_pool, block_tables, row_tokens, positions, *, k_scale, v_scale, page_size,
+                        dtype):
+    """The prefill kernel's log-sum-exp variant: ``(out [T, H, D] float32, lse [T, H])`` (cascade
+    attention: each row's tokens are decode rows whose queries share the row's prefix pages)."""
+    from modelopt_jax.ops import native
+
+    del dtype  # the kernel computes in float32 from bf16/f16 MMAs; the caller casts after the merge
+    native.cuda_library()
+    t, h, d = q.shape
+    call = jax.ffi.ffi_call(native.PAGED_PREFILL_LSE_TARGET, (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
+                                                              jax.ShapeDtypeStruct((t, h), jnp.float32)),
+                            vmap_method="broadcast_all")
+    return call(q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
+                positions.astype(jnp.int32), k_scale=np.float32(1.0 if k_scale is None else k_scale),
+                v_scale=np.float32(1.0 if v_scale is None else v_scale), softmax_scale=np.float32(d ** -0.5),
+                page_size=np.int32(page_size))
 
 
 @functools.cache

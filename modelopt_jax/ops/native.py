@@ -24,6 +24,7 @@ PAGED_DECODE_POISONED_TARGET = "modelopt_paged_decode_poisoned"  # tests: output
 PAGED_DECODE_WRITE_TARGET = "modelopt_paged_decode_write"  # the decode kernel writing this step's keys/values too
 PAGED_PREFILL_TARGET = "modelopt_paged_prefill"
 PAGED_PREFILL_POISONED_TARGET = "modelopt_paged_prefill_poisoned"
+PAGED_PREFILL_LSE_TARGET = "modelopt_paged_prefill_lse"  # also each (token, head)'s log-sum-exp (cascade attention)
 CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
 CUDA_LIB = "libmodelopt_jax_ffi_cuda.so"
 
@@ -90,6 +91,9 @@ def cuda_library() -> ctypes.CDLL | None:
                                     platform="CUDA")
         jax.ffi.register_ffi_target(PAGED_PREFILL_POISONED_TARGET,
                                     jax.ffi.pycapsule(lib.ModeloptPagedPrefillCudaPoisoned), platform="CUDA")
+    if hasattr(lib, "ModeloptPagedPrefillLseCuda"):
+        jax.ffi.register_ffi_target(PAGED_PREFILL_LSE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedPrefillLseCuda),
+                                    platform="CUDA")
     return lib
 
 
@@ -160,6 +164,12 @@ def has_paged_decode_write_kernel() -> bool:
 def has_paged_prefill_kernel() -> bool:
     lib = cuda_library()
     return lib is not None and hasattr(lib, "ModeloptPagedPrefillCuda")
+
+
+def has_paged_prefill_lse_kernel() -> bool:
+    """The prefill kernel's variant that also returns each row's log-sum-exp (cascade attention)."""
+    lib = cuda_library()
+    return lib is not None and hasattr(lib, "ModeloptPagedPrefillLseCuda")
 
 
 def _major(major: int | None) -> int:

@@ -73,6 +73,9 @@ class AttentionConfig:
     decode_splits: int | None = None  # CTAs per (token, kv head); None: kernel_splits decides per step
     sliding_window: int | None = None  # a token attends keys less than this many positions back (None: all);
                                       # the CUDA kernels have no window: such a model takes the XLA paths
+    cascade_group: int = 0            # shared-prefix (cascade) attention for decode rows: consecutive decode
+                                      # rows form groups of this many, and the rows of a group that share a
+                                      # prefix of full pages read it once per group (0: off; see PagedStep)
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -85,6 +88,11 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.decode_splits={self.decode_splits!r} must be a positive integer or None")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"AttentionConfig.sliding_window={self.sliding_window!r} must be a positive integer or None")
+        if not isinstance(self.cascade_group, int) or isinstance(self.cascade_group, bool) or self.cascade_group < 0:
+            raise ValueError(f"AttentionConfig.cascade_group={self.cascade_group!r} must be a non-negative integer")
+        if self.cascade_group and self.sliding_window is not None:
+            raise ValueError("AttentionConfig.cascade_group: a sliding-window model's rows drop their early pages, "
+                             "so no prefix stays shared; use cascade_group=0")
 
     @property
     def reads_only_used_pages(self) -> bool:
@@ -104,7 +112,9 @@ class AttentionConfig:
         from modelopt_jax.ops import native
 
         fused = decode_ok and native.has_paged_decode_write_kernel()
-        config = cls(page_size=int(page_size), sliding_window=sliding_window,
+        cascade_ok = decode_ok and prefill_ok and native.has_paged_prefill_lse_kernel()
+        cascade = max(1, 64 // max(1, num_heads // num_kv_heads)) if cascade_ok else 0
+        config = cls(page_size=int(page_size), sliding_window=sliding_window, cascade_group=cascade,
                      decode="fused_kernel" if fused else "kernel" if decode_ok else "xla",
                      prefill="kernel" if prefill_ok else "xla",
                      decode_variant="mma" if tensor_cores_serve(pool_dtype, compute_dtype) else "staged")
@@ -143,6 +153,11 @@ class PagedStep:
     first_pages: jax.Array | None = None  # [R] which page of its sequence each row's block_tables[r, 0] is:
                                   # a sliding-window model's rows drop the pages that fell out of the window
                                   # (neither kept nor read). None: 0 for every row (the CUDA kernels' only case)
+    shared_tables: jax.Array | None = None  # [C, W] cascade attention (attention.cascade_group = K > 0): group
+                                  # c's shared prefix pages, for decode rows c*K .. c*K+K-1; C = ceil(num_decode / K)
+    shared_lengths: jax.Array | None = None  # [num_decode] tokens of its group's shared prefix each decode row reads
+                                  # through shared_tables (a multiple of page_size, below its position; 0: none),
+                                  # its own pages after them through block_tables. None: no cascade in this step
 
     @property
     def num_tokens(self) -> int:
@@ -176,11 +191,22 @@ class PagedStep:
                              f"num_decode={d}: one entry per sampled row, decode rows first")
         if self.first_pages is not None and self.first_pages.shape != (r,):
             raise ValueError(f"PagedStep.first_pages has shape {self.first_pages.shape}, expected ({r},)")
+        if (self.shared_tables is None) != (self.shared_lengths is None):
+            raise ValueError("PagedStep.shared_tables and shared_lengths come together (cascade attention) or not at all")
+        if self.shared_lengths is not None:
+            k = self.attention.cascade_group
+            if not k:
+                raise ValueError("PagedStep.shared_tables given but attention.cascade_group is 0")
+            if self.shared_lengths.shape != (d,):
+                raise ValueError(f"PagedStep.shared_lengths has shape {self.shared_lengths.shape}, expected ({d},)")
+            if self.shared_tables.ndim != 2 or self.shared_tables.shape[0] != -(-d // k):
+                raise ValueError(f"PagedStep.shared_tables has shape {self.shared_tables.shape}, expected "
+                                 f"({-(-d // k)}, width): one line per group of {k} decode rows")
         if self.first_pages is not None and self.attention.sliding_window is None:
             raise ValueError("PagedStep.first_pages is for sliding-window models (their rows drop early pages); "
                              "this step's attention has no window")
         for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                     "first_pages"):
+                     "first_pages", "shared_tables", "shared_lengths"):
             if getattr(self, name) is None:
                 continue
             dtype = getattr(self, name).dtype
@@ -190,7 +216,7 @@ class PagedStep:
 
 jax.tree_util.register_dataclass(
     PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                            "first_pages"],
+                            "first_pages", "shared_tables", "shared_lengths"],
     meta_fields=["num_decode", "attention"])
 
 
@@ -223,8 +249,11 @@ class StepShape:
         """The step's operands as shapes (for compiling ahead of a call)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         t, r = self.tokens, self.rows
+        d, k = self.decode_rows, attention.cascade_group
+        cascade = bool(k and d)
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
-                         i32(self.sampled_rows), self.decode_rows, attention, None if attention.sliding_window is None else i32(r))
+                         i32(self.sampled_rows), d, attention, None if attention.sliding_window is None else i32(r),
+                         i32(-(-d // k), self.table_width) if cascade else None, i32(d) if cascade else None)
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
