@@ -327,6 +327,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) PagedDecodeStagedKernel(Params
     o *= p.v_scale;
     if (p.splits == 1) {
       p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? o / lsum : 0.f;
+      // the (max, sum) pair still goes out: it is the log-sum-exp cascade attention merges by
+      const size_t part = ((size_t)b * p.kv_heads + kvh) * G + g;
+      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
     } else {
       const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
       p.part_o[part * D + d] = o;
@@ -528,6 +531,9 @@ __global__ void __launch_bounds__(kWarps * 32) PagedDecodeMmaKernel(Params p) {
     acc *= p.v_scale;
     if (p.splits == 1) {
       p.out[((size_t)b * H + kvh * G + g) * D + d] = lsum > 0.f ? acc / lsum : 0.f;
+      // the (max, sum) pair still goes out (natural units): cascade attention merges by it
+      const size_t part = ((size_t)b * p.kv_heads + kvh) * G + g;
+      if (d == 0) p.part_ml[part * 2] = lsum > 0.f ? mx * kLn2 : -INFINITY, p.part_ml[part * 2 + 1] = lsum;
     } else {
       const size_t part = (((size_t)b * p.kv_heads + kvh) * p.splits + split) * G + g;
       p.part_o[part * D + d] = acc;
@@ -748,7 +754,8 @@ ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q,
                 nullptr);
 }
 
-// Results: output [T, H, D], split partials o [T, KV, S, G, D] and (max, sum) [T, KV, S, G, 2].
+// Results: output [T, H, D], split partials o [T, KV, S, G, D] and (max, sum) [T, KV, S, G, 2] (with one
+// split, o is not written but (max, sum) is: the row's log-sum-exp, which cascade attention needs).
 template <typename Binding>
 auto BindResults(Binding&& b) {  // by reference: a Binding cannot be moved from outside
   return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()

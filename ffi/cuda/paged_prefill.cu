@@ -26,7 +26,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -360,14 +359,6 @@ bool DispatchD(int d, int g, const Params& p, int rows, cudaStream_t stream) {
   return false;
 }
 
-// Fills the lse result with -inf: tokens in no row, and rows whose CTA saw no real position (it
-// returns before writing), saw no key.
-__global__ void FillNegInf(float* x, int64_t n) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    x[i] = -INFINITY;
-  }
-}
-
 // The handlers' body; ``lse`` (lse_size floats) only for the log-sum-exp variant, else null.
 ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::S32> positions,
@@ -403,13 +394,13 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     return Invalid("out must be q's shape " + Dims(qd) + ", got " + Dims(od));
   }
   if (rows > 65535 || kv_heads > 65535) return Invalid("rows and kv_heads must be at most 65535");
-  // tokens in no row (step padding) keep these zeros; the kernel writes every other one
-  if (cudaError_t err = cudaMemsetAsync(out->typed_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
-  }
-  if (lse != nullptr && lse_size > 0) {
-    const int blocks = static_cast<int>(std::min<int64_t>((lse_size + 255) / 256, 1024));
-    FillNegInf<<<blocks, 256, 0, stream>>>(lse, lse_size);
+  // tokens in no row (step padding) keep these zeros; the kernel writes every other one. The
+  // log-sum-exp variant skips this: its caller (cascade attention) reads only the tokens of rows
+  // with a real position, and masks the rest.
+  if (lse == nullptr) {
+    if (cudaError_t err = cudaMemsetAsync(out->typed_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
+      return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
+    }
   }
   if (rows == 0 || row_width == 0) return ffi::Error::Success();
 
@@ -463,7 +454,9 @@ ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q
 
 // The cascade attention's variant: a second result, lse [T, H] float32, the natural log-sum-exp of
 // each (token, head)'s scaled scores (-inf where it saw no key), so that the engine can merge this
-// attention over a shared prefix with the decode kernel's over each row's own pages.
+// attention over a shared prefix with the decode kernel's over each row's own pages. Unlike the
+// plain op, tokens of CTAs without a real position (all -1, or padding) are left unwritten in
+// both results: the caller masks them.
 ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
                                ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out,

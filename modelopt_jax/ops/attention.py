@@ -211,9 +211,6 @@ def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: 
     group = config.cascade_group
     shared = step.shared_lengths                                           # [d]
     width = step.block_tables.shape[1]
-    if width < 2:
-        raise ValueError("cascade attention needs block tables at least 2 pages wide (the decode kernel's split "
-                         "partials carry the log-sum-exp)")
     # each row's own pages: its table shifted past its group's shared pages; its length past them too
     index = jnp.arange(width, dtype=jnp.int32)[None] + (shared // page_size)[:, None]
     tables = step.block_tables[:d]
@@ -374,7 +371,8 @@ def _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_sc
 
 def _split_lse(partial_ml: jax.Array) -> jax.Array:
     """The log-sum-exp [T, H] of the decode kernel's split partials [T, KV, S, G, 2] (each split's
-    running max, natural units, and its sum of exponentials under it; empty splits -inf, 0)."""
+    running max, natural units, and its sum of exponentials under it; empty splits -inf, 0; the
+    kernel writes them with one split too)."""
     t, kv, _, g, _ = partial_ml.shape
     m, l = partial_ml[..., 0], partial_ml[..., 1]
     top = jnp.max(m, axis=2, keepdims=True)
@@ -384,22 +382,12 @@ def _split_lse(partial_ml: jax.Array) -> jax.Array:
     return lse.reshape(t, kv * g)
 
 
-def _lse_splits(splits: int | None, q, k_pool, block_tables) -> int:
-    """At least two splits: the kernel writes its partials (which carry the log-sum-exp) only then."""
-    if splits is None:
-        splits = kernel_splits(q.shape[0], k_pool.shape[1], block_tables.shape[1], _sm_count(),
-                               jnp.dtype(k_pool.dtype).itemsize)
-    return max(2, splits)
-
-
 def _kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale, page_size,
                             dtype, out_init=None, variant="mma", splits=None, with_lse: bool = False):
     """The decode kernel; ``with_lse``: ``(out [T, H, D] float32, lse [T, H])`` instead of ``out``
     [T, H * D] in ``dtype`` (cascade attention merges it with a shared prefix's)."""
     from modelopt_jax.ops import native
 
-    if with_lse:
-        splits = _lse_splits(splits, q, k_pool, block_tables)
     operands, out_types, attrs = _decode_call(q, k_pool, v_pool, token_rows, positions, block_tables, k_scale=k_scale,
                                               v_scale=v_scale, page_size=page_size, dtype=dtype, variant=variant,
                                               splits=splits)
@@ -422,8 +410,7 @@ def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_
     ``with_lse``: returns ``(out [T, H, D] float32, lse [T, H], k_pool, v_pool)`` (cascade attention)."""
     from modelopt_jax.ops import native
 
-    if with_lse:
-        splits = _lse_splits(splits, q, k_pool, block_tables)
+
     if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
         raise ValueError(f"new keys/values ({k_new.dtype}, {v_new.dtype}) must be in the pool's dtype "
                          f"({k_pool.dtype}): pass KVBuffer.encode(...)")
