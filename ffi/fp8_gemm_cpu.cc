@@ -239,10 +239,6 @@ ffi::Error Fp8GroupedGemmCpu(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer 
 }  // namespace
 }  // namespace modelopt_jax
 
-// 2: the blocked, vectorised handler above. A library without this symbol has the element-by-element
-// reference loop, which is slower than XLA's dot beyond M = 1, so "auto" does not pick it.
-extern "C" __attribute__((visibility("default"))) int32_t ModeloptFp8GemmCpuVersion() { return 2; }
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GemmCpu, modelopt_jax::Fp8GemmCpu,
                               modelopt_jax::BindFp8GemmOperands(xla::ffi::Ffi::Bind()));
 

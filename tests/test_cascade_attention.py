@@ -244,7 +244,7 @@ def _gpu_kernels():
         on_gpu = jax.default_backend() == "gpu"
     except RuntimeError:
         on_gpu = False
-    return on_gpu and native.has_paged_prefill_lse_kernel() and native.has_paged_decode_write_kernel()
+    return on_gpu and native.has_cuda_handler()
 
 
 @pytest.mark.gpu

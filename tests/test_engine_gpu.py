@@ -18,7 +18,7 @@ from modelopt_jax.ops import native
 from modelopt_jax.synthetic import write_checkpoint
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA decode write kernel not built")]
+              pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA decode write kernel not built")]
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_auto_on_cpu_runs_our_handler_for_few_rows_and_xla_beyond(request, on_cp
     gives the bits of the backend it names."""
     from modelopt_jax.ops.gemm import CPU_HANDLER_MAX_ROWS
 
-    if not native.has_fast_cpu_handler():
+    if not native.has_cpu_handler():
         pytest.skip(f"{native.CPU_LIB} predates the blocked CPU handler")
     rng = _rng(request)
     w_q = jnp.asarray(_fp8(rng, (40, 96)))
@@ -192,8 +192,8 @@ def test_auto_lowers_to_our_custom_call_for_cuda_with_static_alpha(request):
     # Lowering the same call for the CPU picks the CPU rule (see test_auto_on_cpu_...).
     cpu = jax.jit(lambda a, b: fp8_gemm(a, b, x_scale=0.125, w_scale=0.5, out_dtype=jnp.bfloat16)).trace(
         x_q, w_q).lower(lowering_platforms=("cpu",)).as_text()
-    assert ("modelopt_fp8_gemm" in cpu) == native.has_fast_cpu_handler() and ("dot_general" in cpu) != \
-        native.has_fast_cpu_handler()
+    assert ("modelopt_fp8_gemm" in cpu) == native.has_cpu_handler() and ("dot_general" in cpu) != \
+        native.has_cpu_handler()
 
 
 @cuda_lib

@@ -24,13 +24,13 @@ from modelopt_jax.ops import native
 from modelopt_jax.ops.grouped_gemm import grouped_fp8_gemm, reference
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not native.has_cuda_grouped_handler(), reason="CUDA grouped GEMM handler not built")]
+              pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA grouped GEMM handler not built")]
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
 def _tiles():
-    return list(range(len(native.grouped_config_names()))) if native.has_cuda_grouped_handler() else []
+    return list(range(len(native.grouped_config_names()))) if native.has_cuda_handler() else []
 
 
 def _problem(sizes, m, n, k, seed, per_token):

@@ -16,7 +16,7 @@ from modelopt_jax.ops.grouped_gemm import grouped_fp8_gemm, reference
 
 # The CPU handler's tests: on a GPU machine JAX's default device is the GPU, where backend "ffi"
 # is the CUDA handler (tests/test_gpu_grouped_gemm.py) with its own operand rules.
-needs_handler = pytest.mark.skipif(not native.has_cpu_grouped_handler() or jax.default_backend() != "cpu",
+needs_handler = pytest.mark.skipif(not native.has_cpu_handler() or jax.default_backend() != "cpu",
                                    reason="the CPU grouped handler runs where JAX's default backend is the CPU")
 
 

@@ -60,7 +60,7 @@ def test_only_weights_and_inputs_are_arguments_and_scales_are_constants(name, ba
     fp8_layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Fp8Linear)]
     assert fp8_args == len(fp8_layers) > 0
 
-    ours = backend == "auto" and native.has_fast_cpu_handler()
+    ours = backend == "auto" and native.has_cpu_handler()
     assert custom_calls == (len(fp8_layers) if ours else 0)
     consts = np.concatenate([_hlo_constants(text), _gemm_alphas(text)])
     for layer in fp8_layers:

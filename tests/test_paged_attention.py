@@ -147,7 +147,7 @@ def test_splits_fill_the_gpu_and_stay_within_the_table():
 @pytest.mark.parametrize("shape", [1, 2, 3, 4])
 @pytest.mark.parametrize("variant", ["mma", "staged"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged attention kernel not built")
 def test_cuda_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype, variant):
     if variant == "mma" and not attention.tensor_cores_serve(pool_dtype, dtype):
         assert attention.decode_kernel_variant(variant, pool_dtype, dtype) == "staged"  # float32 compute falls back
@@ -186,7 +186,7 @@ PREFILL_CASES = [
                                               ("float16", "bfloat16"), ("float8_e4m3fn", "bfloat16")])
 @pytest.mark.parametrize("shape", range(len(PREFILL_CASES)))
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_prefill_kernel(), reason="CUDA paged prefill kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged prefill kernel not built")
 def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, pool_dtype, dtype):
     heads, kv_heads, head_dim, page, rows = PREFILL_CASES[shape]
     c = _case(40 + shape, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
@@ -224,7 +224,7 @@ def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, poo
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_prefill_kernel(), reason="CUDA paged prefill kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged prefill kernel not built")
 def test_auto_runs_the_prefill_kernel_for_bf16_prompt_chunks_and_xla_for_float32():
     heads, kv_heads, head_dim, page, rows = PREFILL_CASES[1]
     for dtype, target in [("bfloat16", "modelopt_paged_prefill"), ("float32", None)]:
@@ -239,7 +239,7 @@ def test_auto_runs_the_prefill_kernel_for_bf16_prompt_chunks_and_xla_for_float32
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_decode_kernel(), reason="CUDA paged attention kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged attention kernel not built")
 def test_cuda_kernel_is_what_auto_runs_on_gpu():
     c = _case(3, heads=8, kv_heads=2, head_dim=64, page=16, lengths_and_new=DECODE, pool_dtype="bfloat16",
               dtype="bfloat16")
@@ -278,7 +278,7 @@ def _decode_step(seed, pool_dtype, *, heads=32, kv_heads=8, head_dim=128, page=1
 @pytest.mark.parametrize("variant", ["mma", "staged"])
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged decode write kernel not built")
 def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, splits):
     """The decode kernel that writes the step's keys/values itself leaves the pools bit for bit as a
     scatter does and attends over them bit for bit as the plain kernel does after the scatter (the
@@ -316,7 +316,7 @@ def test_cuda_fused_page_write_equals_scatter_then_kernel(pool_dtype, variant, s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not native.has_paged_decode_write_kernel(), reason="CUDA paged decode write kernel not built")
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged decode write kernel not built")
 def test_auto_fuses_the_page_write_only_into_decode_steps():
     c, k_new, v_new, slots = _decode_step(6, "bfloat16", heads=8, kv_heads=2, head_dim=64)
     args, static = _split(c)
@@ -347,3 +347,50 @@ def test_paged_write_attention_without_the_fused_kernel_is_scatter_then_paged_at
         np.testing.assert_array_equal(np.asarray(pool).view(np.uint8), want_pool.view(np.uint8))
     want = attention.paged_attention(args["q"], k_pool, v_pool, **rest, **static, backend="xla")
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def _raw_decode(q, pool, group, page=16):
+    b, h, d = q.shape
+    kv = pool.shape[1]
+    out_types = (jax.ShapeDtypeStruct((b, h, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, 1, group, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv, 1, group, 2), jnp.float32))
+    call = jax.ffi.ffi_call(native.PAGED_DECODE_TARGET, out_types, vmap_method="broadcast_all")
+    tables, lengths = jnp.ones((b, 2), jnp.int32), jnp.full((b,), 5, jnp.int32)
+    return call(q, pool, pool, tables, lengths, k_scale=np.float32(1), v_scale=np.float32(1),
+                softmax_scale=np.float32(0.1), page_size=np.int32(page), variant=np.int32(2))
+
+
+def _raw_prefill(q, pool, page=16):
+    t = q.shape[0]
+    call = jax.ffi.ffi_call(native.PAGED_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="broadcast_all")
+    tables, row_tokens = jnp.ones((1, 2), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
+    return call(q, pool, pool, tables, row_tokens, jnp.arange(t, dtype=jnp.int32), k_scale=np.float32(1),
+                v_scale=np.float32(1), softmax_scale=np.float32(0.1), page_size=np.int32(page))
+
+
+# (q heads, kv heads, head_dim, pool dtype, page size) -> the message both handlers give, from the
+# pool parser they share (ffi/cuda/paged_pool.h)
+BAD_POOLS = [
+    ((6, 4, 64, jnp.bfloat16, 16), r"heads \(6\) must be a multiple of kv_heads \(4\)"),
+    ((4, 2, 96, jnp.bfloat16, 16), r"compiled for head_dim 64 or 128 and 1\.\.8 query heads per kv head; got head_dim 96"),
+    ((18, 1, 64, jnp.bfloat16, 16), r"got head_dim 64, 18 per kv head"),
+    ((4, 2, 64, jnp.float32, 16), r"the pool must be bfloat16, float16 or float8_e4m3fn"),
+    ((4, 2, 64, jnp.bfloat16, 12), r"page_size 12 must divide the pool's slots 64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged attention kernels not built")
+@pytest.mark.parametrize("op", ["modelopt_paged_decode", "modelopt_paged_prefill"])
+@pytest.mark.parametrize("shape,message", BAD_POOLS)
+def test_cuda_handlers_refuse_a_bad_pool_naming_the_op_and_what_is_wrong(op, shape, message):
+    heads, kv_heads, head_dim, pool_dtype, page = shape
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((3, heads, head_dim)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((64, kv_heads, head_dim)), pool_dtype)
+    group = max(1, heads // kv_heads)
+    run = (lambda: _raw_decode(q, pool, group, page)) if op.endswith("decode") else (lambda: _raw_prefill(q, pool, page))
+    with pytest.raises(Exception, match=f"{op}: {message}"):
+        jax.block_until_ready(run())

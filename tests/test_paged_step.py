@@ -286,7 +286,7 @@ def test_step_shape_abstract_is_what_the_runner_builds():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (native.has_paged_decode_kernel() and native.has_paged_prefill_kernel()),
+@pytest.mark.skipif(not native.has_cuda_handler(),
                     reason="CUDA paged attention kernels not built")
 @pytest.mark.parametrize("pool_dtype", ["bfloat16", "float8_e4m3fn"])
 def test_cuda_mixed_step_runs_both_kernels_and_matches_float64(pool_dtype):

@@ -1,405 +1,54 @@
-// XLA FFI handler of the modelopt_paged_prefill op: prompt chunks attend over their sequences' pages
-// of the paged KV cache (causal), on the tensor cores (FlashAttention-2 style).
-//
-// Why a kernel: the engine's prompt steps ran XLA's attention over each row's gathered pages --
-// a dense [rows, pages * page, kv, d] copy of the keys and values, transposes for the einsums,
-// float32 scores of [rows, heads, row width, pages * page] written and read back, and padding of
-// every row to the step's widest. On the H200 that took about as long as the step's FP8 GEMMs
-// (bench/RESULTS.md, the profile of workload (a)'s prompt steps). Here each CTA takes 64 query rows
-// (consecutive tokens of one row, times the GQA heads of one kv head), streams that sequence's
-// pages up to its last token through shared memory 64 keys at a time, and keeps the softmax state
-// in registers; scores and P.V run as bf16 (or f16) m16n8k16 MMAs with float32 accumulation.
-//
-// Layout (the same pool as the decode kernel, modelopt_jax.kv_cache.PagedKVCache): keys/values
-// [slots, kv_heads, d], slot = block_table[r, p // page] * page + p % page. Queries: q float32
-// [T, heads, d] packed; row r's i-th query token is q[row_tokens[r, i]] (T marks padding) at
-// positions[row_tokens[r, i]], and it attends over that row's positions 0 .. its own. Output:
-// float32 [T, heads, d] in the packed order, each row's tokens written where row_tokens puts them
-// (the handler zeroes the buffer first: a packed token in no row -- step padding -- reads zeros, as
-// on XLA's path; writing per row and scattering back cost the prompt steps a pass over the
-// output, about 2 ms of a 2048-token step of Llama-3-8B on the H200). FP8 pages hold e4m3 codes,
-// which bf16 holds exactly: the key scale multiplies the float32 scores, the value scale the output.
-// The probabilities are rounded to the MMA type before P.V, as XLA's path rounds them to the
-// compute dtype.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
+// XLA FFI handlers of the modelopt_paged_prefill ops: prompt chunks attend over their sequences'
+// pages of the paged KV cache, causally (the kernel and its design: paged_prefill_kernel.cuh).
+//   modelopt_paged_prefill           q, pools, block tables, row tokens, positions -> out
+//   modelopt_paged_prefill_lse       the same and each (token, head)'s log-sum-exp (cascade attention)
+//   modelopt_paged_prefill_poisoned  tests: the output aliased to a NaN-filled operand
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 #include <utility>
 
-#include "attention_mma.cuh"
+#include "paged_prefill_kernel.cuh"
+#include "paged_pool.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace modelopt_jax::cuda {
+namespace modelopt_jax::cuda::prefill {
 namespace {
 
 namespace ffi = xla::ffi;
-using attention::CommitAsync;
-using attention::CopyAsync16;
-using attention::Mma;
-using attention::LoadMatrices;
-using attention::LoadMatricesTransposed;
-using attention::WaitAllAsync;
+using paged::Dims;
 
-constexpr int kWarps = 4;
-constexpr int kRows = kWarps * 16;  // query rows (token, head) per CTA: 16 per warp (one MMA's M)
-constexpr int kKeys = 64;           // keys per shared-memory tile
-constexpr int kPad = 8;             // elements of padding per smem row: conflict-free ldmatrix rows
-constexpr float kFloor = -1e30f;    // running max's start: finite, so exp2(floor - floor) is 1, never NaN
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr paged::Op kOp{"modelopt_paged_prefill"};
 
-struct Params {
-  const float* q;             // [T, H, D]
-  const void* k;              // [slots, KV, D]
-  const void* v;
-  const int32_t* tables;      // [R, W]
-  const int32_t* row_tokens;  // [R, Wq], T = padding
-  const int32_t* positions;   // [T]
-  float* out;                 // [T, H, D]
-  float* lse;                 // [T, H] natural log of each (token, head)'s softmax denominator (scores
-                              // scaled), -inf where it saw no key; null: not wanted
-  int tokens, kv_heads, table_width, row_width, page, page_shift;  // page_shift: log2(page), or -1
-  float score_scale;          // softmax scale x FP8 key scale x log2(e)
-  float v_scale;              // FP8 value scale (1 otherwise)
-};
-
-// Shared memory of one CTA: two stages of (K, V) tiles in the MMA type, so the next tile's copies
-// run while this one's MMAs do (the first version loaded and waited tile by tile: about 65 TFLOP/s
-// of causal attention on the H200, bench/RESULTS.md), and the two stages' pool slots.
-template <int D>
-struct Stages {
-  using Tile = __nv_bfloat16[kKeys][D + kPad];  // (f16 pages use the same bytes as __half)
-  static constexpr int kTileBytes = sizeof(Tile);
-  static constexpr int kBytes = 2 * 2 * kTileBytes + 2 * kKeys * (int)sizeof(int32_t);
-};
-
-// Issues the copies of one (K, V) tile -- positions tile0 .. tile0 + kKeys - 1, pool slots in
-// `slots` (-1: past the row's last position, zero-filled: their values must not be NaN, P is 0
-// there). bf16/f16 pages: 16-byte cp.async straight into the tiles, waited for by the caller. FP8:
-// 16 codes per load, converted to bf16 (exact) on the way in, done when this returns.
-template <typename T, int D>
-__device__ __forceinline__ void LoadTiles(const Params& p, const int32_t* slots, unsigned char* k_tile,
-                                          unsigned char* v_tile, int kvh) {
-  constexpr int kStride = (D + kPad) * 2;  // bytes per tile row
-  const size_t row_stride = (size_t)p.kv_heads * D;
-  const T* kpool = static_cast<const T*>(p.k);
-  const T* vpool = static_cast<const T*>(p.v);
-  if constexpr (sizeof(T) == 2) {
-    constexpr int kChunks = D / 8;  // 16-byte pieces per key row
-    for (int c = threadIdx.x; c < kKeys * kChunks; c += kWarps * 32) {
-      const int key = c / kChunks, part = c % kChunks;
-      const int slot = slots[key];
-      const size_t offset = slot >= 0 ? (size_t)slot * row_stride + (size_t)kvh * D + part * 8 : 0;
-      CopyAsync16(k_tile + key * kStride + part * 16, kpool + offset, slot >= 0);
-      CopyAsync16(v_tile + key * kStride + part * 16, vpool + offset, slot >= 0);
-    }
-    CommitAsync();
-  } else {
-    constexpr int kChunks = D / 16;
-    for (int c = threadIdx.x; c < 2 * kKeys * kChunks; c += kWarps * 32) {
-      const int which = c / (kKeys * kChunks), key = c / kChunks % kKeys, part = c % kChunks;
-      const int slot = slots[key];
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (slot >= 0) {
-        raw = *reinterpret_cast<const uint4*>((which ? vpool : kpool) + (size_t)slot * row_stride + (size_t)kvh * D +
-                                              part * 16);
-      }
-      const __nv_fp8x2_storage_t* codes = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
-      uint32_t packed[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) packed[i] = attention::Fragments<T>::Convert(codes[i]);  // exact: e4m3 in bf16
-      uint4* dst = reinterpret_cast<uint4*>((which ? v_tile : k_tile) + key * kStride + part * 32);
-      dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    }
-  }
-}
-
-// Pool slots of positions tile0 .. tile0 + kKeys - 1 of the row (-1 at and past kv_len); threads
-// 0 .. kKeys - 1 each write one.
-__device__ __forceinline__ void TileSlots(const Params& p, const int32_t* table, int tile0, int kv_len,
-                                          int32_t* slots) {
-  if (threadIdx.x < kKeys) {
-    const int pos = tile0 + threadIdx.x;
-    int slot = -1;
-    if (pos < kv_len) {
-      const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page;
-      slot = table[pg] * p.page + (pos - pg * p.page);
-    }
-    slots[threadIdx.x] = slot;
-  }
-}
-
-// grid (ceil(Wq * G / kRows), KV, R), kWarps warps. Query row j of the CTA is (token i, head g) with
-// i * G + g = blockIdx.x * kRows + j; warp w owns rows 16w .. 16w + 15. A lane holds, per MMA
-// fragment, rows lane / 4 and lane / 4 + 8 of its warp's 16 and columns 2 (lane % 4) (+1, +8, +9).
-// Per tile: wait for its copies, issue the next tile's (into the other stage), look up the slots
-// of the one after, then the MMAs; B fragments come from shared memory by ldmatrix (transposed
-// for V).
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32, 3) PagedPrefillKernel(Params p) {
-  using M = Mma<T>;
-  using S = Stages<D>;
-  constexpr int kStride = (D + kPad) * 2;
-  static_assert(D % 32 == 0, "ldmatrix.x4 loads two 16-column k-steps (K) or two 8-column n-tiles (V)");
-  extern __shared__ __align__(16) unsigned char smem[];
-  int32_t* sm_slots = reinterpret_cast<int32_t*>(smem + 4 * S::kTileBytes);  // [2][kKeys]
-  __shared__ int32_t sm_tok[kRows], sm_pos[kRows];
-  __shared__ int32_t sm_kv_len, sm_min_pos;
-
-  const int kvh = blockIdx.y, r = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int gq = lane / 4, tq = lane % 4;  // MMA fragment row group and column pair
-  const int H = p.kv_heads * G;
-  const int row0 = blockIdx.x * kRows;
-
-  if (threadIdx.x == 0) sm_kv_len = 0, sm_min_pos = INT32_MAX;
-  __syncthreads();
-  if (threadIdx.x < kRows) {
-    const int j = row0 + threadIdx.x, i = j / G;
-    int tok = -1, pos = -1;
-    if (i < p.row_width) {
-      const int t = p.row_tokens[(size_t)r * p.row_width + i];
-      if (t >= 0 && t < p.tokens) tok = t, pos = p.positions[t];
-    }
-    sm_tok[threadIdx.x] = tok, sm_pos[threadIdx.x] = pos;
-    if (pos >= 0) atomicMax(&sm_kv_len, pos + 1), atomicMin(&sm_min_pos, pos);
-  }
-  __syncthreads();
-  const int kv_len = sm_kv_len, min_pos = sm_min_pos;
-  if (kv_len == 0) return;  // no real token in this CTA's rows (the kernel zeroed the output)
-
-  const int32_t* table = p.tables + (size_t)r * p.table_width;
-  auto k_stage = [&](int s) { return smem + (2 * s) * S::kTileBytes; };
-  auto v_stage = [&](int s) { return smem + (2 * s + 1) * S::kTileBytes; };
-  TileSlots(p, table, 0, kv_len, sm_slots);
-  __syncthreads();
-  LoadTiles<T, D>(p, sm_slots, k_stage(0), v_stage(0), kvh);
-  TileSlots(p, table, kKeys, kv_len, sm_slots + kKeys);
-
-  // This lane's two rows: their positions, and Q as A fragments (D / 16 k-steps of 4 registers).
-  const int lo = warp * 16 + gq, hi = lo + 8;
-  const int pos_lo = sm_pos[lo], pos_hi = sm_pos[hi];
-  uint32_t qa[D / 16][4];
-  {
-    const float* q_lo = sm_tok[lo] >= 0 ? p.q + ((size_t)sm_tok[lo] * H + kvh * G + (row0 + lo) % G) * D : nullptr;
-    const float* q_hi = sm_tok[hi] >= 0 ? p.q + ((size_t)sm_tok[hi] * H + kvh * G + (row0 + hi) % G) * D : nullptr;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int c = kk * 16 + 2 * tq;
-      const float2 a0 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c) : make_float2(0.f, 0.f);
-      const float2 a1 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c) : make_float2(0.f, 0.f);
-      const float2 a2 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c + 8) : make_float2(0.f, 0.f);
-      const float2 a3 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c + 8) : make_float2(0.f, 0.f);
-      qa[kk][0] = M::pack(a0.x, a0.y), qa[kk][1] = M::pack(a1.x, a1.y);
-      qa[kk][2] = M::pack(a2.x, a2.y), qa[kk][3] = M::pack(a3.x, a3.y);
-    }
-  }
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_lo = kFloor, m_hi = kFloor, l_lo = 0.f, l_hi = 0.f;  // l: this lane's partial row sums
-
-  // ldmatrix row addresses of this lane within a tile: K, matrix lane / 8 is d-columns
-  // 8 (lane / 8) .. + 7 of keys lane % 8 (of an 8-key n-tile); V, matrix lane / 8 is keys
-  // 8 ((lane / 8) % 2) + lane % 8 (of a 16-key k-step) and d-columns 8 (lane / 16) .. + 7.
-  const int k_lane = (lane % 8) * kStride + (lane / 8) * 16;
-  const int v_lane = ((lane / 8) % 2 * 8 + lane % 8) * kStride + (lane / 16) * 16;
-
-  const int tiles = (kv_len + kKeys - 1) / kKeys;
-  for (int t = 0; t < tiles; ++t) {
-    const int stage = t & 1, tile0 = t * kKeys;
-    if constexpr (sizeof(T) == 2) WaitAllAsync();  // this thread's copies of tile t have landed...
-    __syncthreads();  // ...and everyone's; tile t - 1's stage and tile t + 1's slots are free to reuse
-    if (t + 1 < tiles) {
-      LoadTiles<T, D>(p, sm_slots + (stage ^ 1) * kKeys, k_stage(stage ^ 1), v_stage(stage ^ 1), kvh);
-      TileSlots(p, table, tile0 + 2 * kKeys, kv_len, sm_slots + stage * kKeys);
-    }
-    const unsigned char* ks = k_stage(stage);
-    const unsigned char* vs = v_stage(stage);
-
-    // S = Q K^T: kKeys / 8 n-tiles of 16 x 8; one ldmatrix.x4 gives two k-steps' B fragments.
-    float s[kKeys / 8][4];
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; kk += 2) {
-        uint32_t b[4];
-        LoadMatrices(b, ks + j * 8 * kStride + kk * 32 + k_lane);
-        M::run(s[j], qa[kk], b[0], b[1]);
-        M::run(s[j], qa[kk + 1], b[2], b[3]);
-      }
-    }
-    // Scale, mask (key position <= the row's; no mask below every row's position), online softmax.
-    float mx_lo = kFloor, mx_hi = kFloor;
-    const bool unmasked = tile0 + kKeys - 1 <= min_pos;
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-      const int key = tile0 + j * 8 + 2 * tq;
-      if (unmasked) {
-        s[j][0] *= p.score_scale, s[j][1] *= p.score_scale, s[j][2] *= p.score_scale, s[j][3] *= p.score_scale;
-      } else {
-        s[j][0] = key <= pos_lo ? s[j][0] * p.score_scale : -INFINITY;
-        s[j][1] = key + 1 <= pos_lo ? s[j][1] * p.score_scale : -INFINITY;
-        s[j][2] = key <= pos_hi ? s[j][2] * p.score_scale : -INFINITY;
-        s[j][3] = key + 1 <= pos_hi ? s[j][3] * p.score_scale : -INFINITY;
-      }
-      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off *= 2) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-    }
-    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-    const float corr_lo = exp2f(m_lo - new_lo), corr_hi = exp2f(m_hi - new_hi);
-    m_lo = new_lo, m_hi = new_hi;
-    l_lo *= corr_lo, l_hi *= corr_hi;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] *= corr_lo, o[n][1] *= corr_lo, o[n][2] *= corr_hi, o[n][3] *= corr_hi;
-#pragma unroll
-    for (int j = 0; j < kKeys / 8; ++j) {
-      s[j][0] = exp2f(s[j][0] - m_lo), s[j][1] = exp2f(s[j][1] - m_lo);
-      s[j][2] = exp2f(s[j][2] - m_hi), s[j][3] = exp2f(s[j][3] - m_hi);
-      l_lo += s[j][0] + s[j][1], l_hi += s[j][2] + s[j][3];
-    }
-    // O += P V: the S accumulators are P's A fragments (two n-tiles make one 16-key k-step); one
-    // transposed ldmatrix.x4 gives two n-tiles' B fragments.
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint32_t pa[4] = {M::pack(s[2 * kk][0], s[2 * kk][1]), M::pack(s[2 * kk][2], s[2 * kk][3]),
-                              M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              M::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        uint32_t b[4];
-        LoadMatricesTransposed(b, vs + kk * 16 * kStride + n * 16 + v_lane);
-        M::run(o[n], pa, b[0], b[1]);
-        M::run(o[n + 1], pa, b[2], b[3]);
-      }
-    }
-  }
-
-#pragma unroll
-  for (int off = 1; off < 4; off *= 2) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
-  }
-  const float inv_lo = l_lo > 0.f ? p.v_scale / l_lo : 0.f, inv_hi = l_hi > 0.f ? p.v_scale / l_hi : 0.f;
-  // Each (token, head) of the tile that is a real token goes to its packed place.
-  const int tok_lo = sm_tok[lo], tok_hi = sm_tok[hi];
-  float* out_lo = tok_lo >= 0 ? p.out + ((size_t)tok_lo * H + kvh * G + (row0 + lo) % G) * D : nullptr;
-  float* out_hi = tok_hi >= 0 ? p.out + ((size_t)tok_hi * H + kvh * G + (row0 + hi) % G) * D : nullptr;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    const int c = n * 8 + 2 * tq;
-    if (out_lo) *reinterpret_cast<float2*>(out_lo + c) = make_float2(o[n][0] * inv_lo, o[n][1] * inv_lo);
-    if (out_hi) *reinterpret_cast<float2*>(out_hi + c) = make_float2(o[n][2] * inv_hi, o[n][3] * inv_hi);
-  }
-  if (p.lse != nullptr && tq == 0) {  // m is in base 2 (the scores carry log2(e)); l is the whole row's sum
-    constexpr float kLn2 = 0.6931471805599453f;
-    if (tok_lo >= 0) {
-      p.lse[(size_t)tok_lo * H + kvh * G + (row0 + lo) % G] = l_lo > 0.f ? (m_lo + log2f(l_lo)) * kLn2 : -INFINITY;
-    }
-    if (tok_hi >= 0) {
-      p.lse[(size_t)tok_hi * H + kvh * G + (row0 + hi) % G] = l_hi > 0.f ? (m_hi + log2f(l_hi)) * kLn2 : -INFINITY;
-    }
-  }
-}
-
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument("modelopt_paged_prefill: " + what);
-}
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-template <typename T, int D, int G>
-void Launch(const Params& p, int rows, cudaStream_t stream) {
-  constexpr int kSmem = Stages<D>::kBytes;
-  // Above 48 KB a kernel must opt in to dynamic shared memory. The opt-in belongs to the current
-  // device's copy of the kernel, so it is made on every launch (cheap and idempotent), not once
-  // per process: with tensor parallelism each device launches its own.
-  cudaFuncSetAttribute(PagedPrefillKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  dim3 grid((p.row_width * G + kRows - 1) / kRows, p.kv_heads, rows);
-  PagedPrefillKernel<T, D, G><<<grid, kWarps * 32, kSmem, stream>>>(p);
-}
-
-template <typename T, int D>
-bool DispatchG(int g, const Params& p, int rows, cudaStream_t stream) {
-  switch (g) {
-    case 1: Launch<T, D, 1>(p, rows, stream); return true;
-    case 2: Launch<T, D, 2>(p, rows, stream); return true;
-    case 3: Launch<T, D, 3>(p, rows, stream); return true;
-    case 4: Launch<T, D, 4>(p, rows, stream); return true;
-    case 5: Launch<T, D, 5>(p, rows, stream); return true;
-    case 6: Launch<T, D, 6>(p, rows, stream); return true;
-    case 7: Launch<T, D, 7>(p, rows, stream); return true;
-    case 8: Launch<T, D, 8>(p, rows, stream); return true;
-  }
-  return false;
-}
-
-template <typename T>
-bool DispatchD(int d, int g, const Params& p, int rows, cudaStream_t stream) {
-  switch (d) {
-    case 64: return DispatchG<T, 64>(g, p, rows, stream);
-    case 128: return DispatchG<T, 128>(g, p, rows, stream);
-  }
-  return false;
-}
-
-// The handlers' body; ``lse`` (lse_size floats) only for the log-sum-exp variant, else null.
+// The handlers' body; ``lse`` ([tokens, heads] floats) only for the log-sum-exp variant, else null.
 ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::S32> positions,
                         ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale, float softmax_scale,
-                        int32_t page, float* lse, int64_t lse_size) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions(), rd = row_tokens.dimensions();
-  if (qd.size() != 3) return Invalid("q must be [tokens, heads, head_dim], got " + Dims(qd));
-  if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
-  if (v.dimensions().size() != 3 || v.dimensions()[0] != kd[0] || v.dimensions()[1] != kd[1] ||
-      v.dimensions()[2] != kd[2]) {
-    return Invalid("v must have k's shape " + Dims(kd) + ", got " + Dims(v.dimensions()));
-  }
-  if (k.element_type() != v.element_type()) return Invalid("k and v must have one dtype");
-  const int64_t tokens = qd[0], heads = qd[1], d = qd[2], kv_heads = kd[1];
-  if (kd[2] != d) return Invalid("head_dim of q " + Dims(qd) + " and k " + Dims(kd) + " differ");
-  if (kv_heads <= 0 || heads % kv_heads != 0) {
-    return Invalid("heads (" + std::to_string(heads) + ") must be a multiple of kv_heads (" +
-                   std::to_string(kv_heads) + ")");
-  }
-  if (page <= 0 || kd[0] % page != 0) {
-    return Invalid("page_size " + std::to_string(page) + " must divide the pool's slots " + std::to_string(kd[0]));
-  }
-  if (td.size() != 2) return Invalid("block_tables must be [rows, pages], got " + Dims(td));
+                        int32_t page, float* lse) {
+  paged::Pool pool;
+  if (auto err = paged::ParsePool(kOp, "tokens", q.dimensions(), k, v, page, &pool); err.failure()) return err;
+  const auto qd = q.dimensions(), td = tables.dimensions(), rd = row_tokens.dimensions();
+  const int64_t tokens = pool.tokens;
+  if (td.size() != 2) return kOp.Invalid("block_tables must be [rows, pages], got " + Dims(td));
   if (rd.size() != 2 || rd[0] != td[0]) {
-    return Invalid("row_tokens must be [" + std::to_string(td[0]) + ", row_width], got " + Dims(rd));
+    return kOp.Invalid("row_tokens must be [" + std::to_string(td[0]) + ", row_width], got " + Dims(rd));
   }
   if (positions.dimensions().size() != 1 || positions.dimensions()[0] != tokens) {
-    return Invalid("positions must be [" + std::to_string(tokens) + "], got " + Dims(positions.dimensions()));
+    return kOp.Invalid("positions must be [" + std::to_string(tokens) + "], got " + Dims(positions.dimensions()));
   }
   const int64_t rows = td[0], row_width = rd[1];
   const auto od = out->dimensions();
-  if (od.size() != 3 || od[0] != tokens || od[1] != heads || od[2] != d) {
-    return Invalid("out must be q's shape " + Dims(qd) + ", got " + Dims(od));
+  if (od.size() != 3 || od[0] != tokens || od[1] != pool.heads || od[2] != pool.head_dim) {
+    return kOp.Invalid("out must be q's shape " + Dims(qd) + ", got " + Dims(od));
   }
-  if (rows > 65535 || kv_heads > 65535) return Invalid("rows and kv_heads must be at most 65535");
+  if (rows > 65535 || pool.kv_heads > 65535) return kOp.Invalid("rows and kv_heads must be at most 65535");
   // tokens in no row (step padding) keep these zeros; the kernel writes every other one. The
   // log-sum-exp variant skips this: its caller (cascade attention) reads only the tokens of rows
   // with a real position, and masks the rest.
   if (lse == nullptr) {
     if (cudaError_t err = cudaMemsetAsync(out->typed_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
-      return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
+      return kOp.Cuda(err);
     }
   }
   if (rows == 0 || row_width == 0) return ffi::Error::Success();
@@ -409,29 +58,14 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   p.tables = tables.typed_data(), p.row_tokens = row_tokens.typed_data(), p.positions = positions.typed_data();
   p.out = out->typed_data();
   p.lse = lse;
-  p.tokens = static_cast<int>(tokens), p.kv_heads = static_cast<int>(kv_heads);
-  p.table_width = static_cast<int>(td[1]), p.row_width = static_cast<int>(row_width), p.page = page;
-  p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
-  const bool fp8 = k.element_type() == ffi::DataType::F8E4M3FN;
-  p.score_scale = softmax_scale * (fp8 ? k_scale : 1.f) * kLog2e;
-  p.v_scale = fp8 ? v_scale : 1.f;
-
-  const int64_t g = heads / kv_heads;
-  bool launched = false;
-  switch (k.element_type()) {
-    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, rows, stream); break;
-    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, rows, stream); break;
-    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, rows, stream); break;
-    default: return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
-  }
-  if (!launched) {
-    return Invalid("compiled for head_dim 64 or 128 and 1..8 query heads per kv head; got head_dim " +
-                   std::to_string(d) + ", " + std::to_string(g) + " per kv head");
-  }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("modelopt_paged_prefill: ") + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  p.tokens = static_cast<int>(tokens), p.kv_heads = static_cast<int>(pool.kv_heads);
+  p.table_width = static_cast<int>(td[1]), p.row_width = static_cast<int>(row_width), p.page = pool.page;
+  p.page_shift = pool.page_shift;
+  p.score_scale = pool.ScoreScale(softmax_scale, k_scale) * kLog2e;
+  p.v_scale = pool.ValueScale(v_scale);
+  return paged::Dispatch(kOp, pool, [&](auto pool_type, auto head_dim, auto group) {
+    Launch<typename decltype(pool_type)::type, decltype(head_dim)::value, decltype(group)::value>(p, rows, stream);
+  });
 }
 
 ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -439,7 +73,7 @@ ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::A
                             ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale,
                             float v_scale, float softmax_scale, int32_t page) {
   return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
-                      nullptr, 0);
+                      nullptr);
 }
 
 // Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
@@ -464,10 +98,10 @@ ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi
                                float softmax_scale, int32_t page) {
   const auto qd = q.dimensions(), ld = lse->dimensions();
   if (qd.size() != 3 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != qd[1]) {
-    return Invalid("lse must be [tokens, heads] of q " + Dims(qd) + ", got " + Dims(ld));
+    return kOp.Invalid("lse must be [tokens, heads] of q " + Dims(qd) + ", got " + Dims(ld));
   }
   return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
-                      lse->typed_data(), static_cast<int64_t>(lse->element_count()));
+                      lse->typed_data());
 }
 
 template <typename Binding>
@@ -491,13 +125,13 @@ auto BindOperands() {
 }
 
 }  // namespace
-}  // namespace modelopt_jax::cuda
+}  // namespace modelopt_jax::cuda::prefill
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCuda, modelopt_jax::cuda::PagedPrefillCuda,
-                              modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCuda, modelopt_jax::cuda::prefill::PagedPrefillCuda,
+                              modelopt_jax::cuda::prefill::BindResultsAndAttrs(modelopt_jax::cuda::prefill::BindOperands()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::PagedPrefillLseCuda,
-                              modelopt_jax::cuda::BindOperands()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::prefill::PagedPrefillLseCuda,
+                              modelopt_jax::cuda::prefill::BindOperands()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<float>("k_scale")
@@ -505,7 +139,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::P
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("page_size"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCudaPoisoned, modelopt_jax::cuda::PagedPrefillCudaPoisoned,
-                              modelopt_jax::cuda::BindResultsAndAttrs(
-                                  modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCudaPoisoned, modelopt_jax::cuda::prefill::PagedPrefillCudaPoisoned,
+                              modelopt_jax::cuda::prefill::BindResultsAndAttrs(
+                                  modelopt_jax::cuda::prefill::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

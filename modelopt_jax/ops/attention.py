@@ -4,7 +4,7 @@
 :func:`step_attention` is what the engine's steps call (one :class:`PagedStep`: decode rows and
 prompt rows, the kernels named by its :class:`AttentionConfig`); :func:`paged_attention` and
 :func:`paged_write_attention` are the same paths for loose arrays (tests, benchmarks). On CUDA, with
-the native library built, decode rows run the decode kernel (``ffi/cuda/paged_attention.cu``) and
+the native library built, decode rows run the decode kernel (``ffi/cuda/paged_decode.cu``) and
 prompt rows the prefill kernel, both reading only the pages in use; elsewhere XLA over gathered
 pages with the same masking.
 Both read an FP8 page's value as code * scale; XLA rounds that to the compute dtype before its
@@ -133,7 +133,7 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
     if backend == "fused_kernel":
         return fused(*operands)
     one_token_rows = row_tokens is not None and row_tokens.shape[1] == 1 and _decode_like(q, block_tables)
-    if backend != "auto" or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype) or not _write_kernel_built():
+    if backend != "auto" or not one_token_rows or not _kernel_qualifies(q, k_pool, dtype):
         return scatter_then_attend(*operands)
     return jax.lax.platform_dependent(*operands, cuda=fused, default=scatter_then_attend)
 
@@ -300,12 +300,6 @@ def _decode_like(q, block_tables) -> bool:
     """At most two tokens per row on average: steps the decode kernel serves (it reads each token's
     pages separately, which prompt chunks of many tokens per sequence would re-read)."""
     return q.shape[0] <= 2 * block_tables.shape[0]
-
-
-def _write_kernel_built() -> bool:
-    from modelopt_jax.ops import native
-
-    return native.has_paged_decode_write_kernel()
 
 
 def _kernel_qualifies(q, k_pool, dtype) -> bool:

@@ -170,7 +170,7 @@ def _auto(x_q, w_q, **kwargs):
     branches = {}
     if native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"]):
         branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
-    if native.has_fast_cpu_handler() and x_q.shape[0] <= CPU_HANDLER_MAX_ROWS:
+    if native.has_cpu_handler() and x_q.shape[0] <= CPU_HANDLER_MAX_ROWS:
         branches["cpu"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
     if not branches:
         return _xla_fp8_gemm(x_q, w_q, **kwargs)

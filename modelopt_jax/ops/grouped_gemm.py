@@ -62,7 +62,7 @@ def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col
     operands = [a for a in args if a is not None]
     if backend == "ffi":
         on_gpu = jax.default_backend() == "gpu"
-        if not (native.has_cuda_grouped_handler() if on_gpu else native.has_cpu_grouped_handler()):
+        if not (native.has_cuda_handler() if on_gpu else native.has_cpu_handler()):
             where = "CUDA library with ModeloptFp8GroupedGemmCuda" if on_gpu else \
                 "CPU library with ModeloptFp8GroupedGemmCpu"
             raise BackendUnavailableError(f"grouped GEMM backend 'ffi': the native {where} was not found "
@@ -72,9 +72,9 @@ def grouped_fp8_gemm(x_q: jax.Array, w_q: jax.Array, group_sizes: jax.Array, col
                              f"and N % 8 == 0; got out {jnp.dtype(out_dtype)}, w {w_q.shape}")
         return (ffi_cuda if on_gpu else ffi)(*operands)
     branches = {}
-    if native.has_cuda_grouped_handler() and _cuda_qualifies(w_q, out_dtype):
+    if native.has_cuda_handler() and _cuda_qualifies(w_q, out_dtype):
         branches["cuda"] = ffi_cuda
-    if native.has_cpu_grouped_handler():
+    if native.has_cpu_handler():
         branches["cpu"] = ffi
     if not branches:
         return xla(*operands)

@@ -5,6 +5,11 @@
 ``modelopt_jax/_native``. ``MODELOPT_JAX_NATIVE_DIR`` overrides the search (Bazel sets it). A
 missing CUDA library is not an error: the GEMM then uses XLA's FP8 path on GPUs, and a warning
 says so the first time a CUDA device is seen.
+
+Each library states the version of the handler contract it was built to
+(``ModeloptJaxFfiAbiVersion``, ffi/abi_version.h). One built from other sources than this package
+would register handlers whose operands differ from what the ops pass, or lack some: it is not
+loaded (a warning names it and says how to rebuild), so the XLA paths run instead.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ PAGED_PREFILL_POISONED_TARGET = "modelopt_paged_prefill_poisoned"
 PAGED_PREFILL_LSE_TARGET = "modelopt_paged_prefill_lse"  # also each (token, head)'s log-sum-exp (cascade attention)
 CPU_LIB = "libmodelopt_jax_ffi_cpu.so"
 CUDA_LIB = "libmodelopt_jax_ffi_cuda.so"
+ABI_VERSION = 1  # MODELOPT_JAX_FFI_ABI_VERSION in ffi/abi_version.h: bump both with any handler change
+ABI_SYMBOL = "ModeloptJaxFfiAbiVersion"
 
 
 def _search_dirs() -> list[str]:
@@ -48,20 +55,40 @@ def _find(name: str) -> str | None:
     return None
 
 
-def _load(path: str, handler: str, platform: str) -> ctypes.CDLL:
+def abi_version(lib: ctypes.CDLL) -> int | None:
+    """The handler contract ``lib`` was built to, or None for a library older than the version symbol."""
+    if not hasattr(lib, ABI_SYMBOL):
+        return None
+    fn = getattr(lib, ABI_SYMBOL)
+    fn.restype = ctypes.c_int32
+    fn.argtypes = []
+    return int(fn())
+
+
+def _open(path: str) -> ctypes.CDLL | None:
+    """``path`` loaded, or None (with a warning naming it) where it was built to another contract."""
     lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, handler)), platform=platform)
+    version = abi_version(lib)
+    if version != ABI_VERSION:
+        built = "before the version symbol existed" if version is None else f"for FFI ABI version {version}"
+        warnings.warn(f"{path} was built {built}, but this modelopt_jax needs version {ABI_VERSION}: it is not "
+                      f"used (XLA's paths run instead). Rebuild it from this source tree (`pip install .`, or "
+                      f"cmake as in README) or remove it.", stacklevel=3)
+        return None
     return lib
+
+
+def _register(lib: ctypes.CDLL, platform: str, targets: dict[str, str]) -> None:
+    for target, symbol in targets.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform=platform)
 
 
 @functools.cache
 def cpu_library() -> ctypes.CDLL | None:
     path = _find(CPU_LIB)
-    if path is None:
-        return None
-    lib = _load(path, "ModeloptFp8GemmCpu", "cpu")
-    if hasattr(lib, "ModeloptFp8GroupedGemmCpu"):  # absent from libraries built before the op existed
-        jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GroupedGemmCpu), platform="cpu")
+    lib = None if path is None else _open(path)
+    if lib is not None:
+        _register(lib, "cpu", {TARGET: "ModeloptFp8GemmCpu", GROUPED_TARGET: "ModeloptFp8GroupedGemmCpu"})
     return lib
 
 
@@ -71,29 +98,21 @@ def cuda_library() -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        lib = _load(path, "ModeloptFp8GemmCuda", "CUDA")
+        lib = _open(path)
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
         warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
-    if hasattr(lib, "ModeloptFp8GroupedGemmCuda"):  # absent from libraries built before the op existed
-        jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.ModeloptFp8GroupedGemmCuda),
-                                    platform="CUDA")
-    if hasattr(lib, "ModeloptPagedDecodeCuda"):  # absent from libraries built before the kernel existed
-        jax.ffi.register_ffi_target(PAGED_DECODE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeCuda),
-                                    platform="CUDA")
-        jax.ffi.register_ffi_target(PAGED_DECODE_POISONED_TARGET,
-                                    jax.ffi.pycapsule(lib.ModeloptPagedDecodeCudaPoisoned), platform="CUDA")
-    if hasattr(lib, "ModeloptPagedDecodeWriteCuda"):
-        jax.ffi.register_ffi_target(PAGED_DECODE_WRITE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedDecodeWriteCuda),
-                                    platform="CUDA")
-    if hasattr(lib, "ModeloptPagedPrefillCuda"):
-        jax.ffi.register_ffi_target(PAGED_PREFILL_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedPrefillCuda),
-                                    platform="CUDA")
-        jax.ffi.register_ffi_target(PAGED_PREFILL_POISONED_TARGET,
-                                    jax.ffi.pycapsule(lib.ModeloptPagedPrefillCudaPoisoned), platform="CUDA")
-    if hasattr(lib, "ModeloptPagedPrefillLseCuda"):
-        jax.ffi.register_ffi_target(PAGED_PREFILL_LSE_TARGET, jax.ffi.pycapsule(lib.ModeloptPagedPrefillLseCuda),
-                                    platform="CUDA")
+    if lib is not None:
+        _register(lib, "CUDA", {
+            TARGET: "ModeloptFp8GemmCuda",
+            GROUPED_TARGET: "ModeloptFp8GroupedGemmCuda",
+            PAGED_DECODE_TARGET: "ModeloptPagedDecodeCuda",
+            PAGED_DECODE_POISONED_TARGET: "ModeloptPagedDecodeCudaPoisoned",
+            PAGED_DECODE_WRITE_TARGET: "ModeloptPagedDecodeWriteCuda",
+            PAGED_PREFILL_TARGET: "ModeloptPagedPrefillCuda",
+            PAGED_PREFILL_POISONED_TARGET: "ModeloptPagedPrefillCudaPoisoned",
+            PAGED_PREFILL_LSE_TARGET: "ModeloptPagedPrefillLseCuda",
+        })
     return lib
 
 
@@ -112,30 +131,17 @@ def warn_if_gpu_without_kernels() -> None:
 
 
 def has_cpu_handler() -> bool:
+    """The CPU library of this contract is loaded: the blocked FP8 GEMM handler (which beats XLA:CPU
+    for few rows) and the grouped GEMM's."""
     return cpu_library() is not None
 
 
-def has_cpu_grouped_handler() -> bool:
-    lib = cpu_library()
-    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCpu")
-
-
-def has_fast_cpu_handler() -> bool:
-    """The CPU handler is the blocked one (``ModeloptFp8GemmCpuVersion`` >= 2), which beats XLA:CPU
-    for few rows; a library built before it has a reference loop that "auto" must not pick."""
-    lib = cpu_library()
-    return lib is not None and hasattr(lib, "ModeloptFp8GemmCpuVersion") and lib.ModeloptFp8GemmCpuVersion() >= 2
-
-
 def has_cuda_handler() -> bool:
+    """The CUDA library of this contract is loaded: the GEMMs (dense and grouped, with the grouped
+    workspace-size export) and every paged attention op (decode, its fused write, prefill, its
+    log-sum-exp variant)."""
     return cuda_library() is not None
 
-
-def has_cuda_grouped_handler() -> bool:
-    """Whether the CUDA library has the grouped GEMM's handler and its workspace-size export."""
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptFp8GroupedGemmCuda") and \
-        hasattr(lib, "ModeloptFp8GroupedGemmWorkspaceBytes")
 
 
 def grouped_workspace_bytes(m: int, n: int, k: int, groups: int, out_bf16: bool) -> int:
@@ -151,25 +157,8 @@ def grouped_workspace_bytes(m: int, n: int, k: int, groups: int, out_bf16: bool)
     return size
 
 
-def has_paged_decode_kernel() -> bool:
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptPagedDecodeCuda")
 
 
-def has_paged_decode_write_kernel() -> bool:
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptPagedDecodeWriteCuda")
-
-
-def has_paged_prefill_kernel() -> bool:
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptPagedPrefillCuda")
-
-
-def has_paged_prefill_lse_kernel() -> bool:
-    """The prefill kernel's variant that also returns each row's log-sum-exp (cascade attention)."""
-    lib = cuda_library()
-    return lib is not None and hasattr(lib, "ModeloptPagedPrefillLseCuda")
 
 
 def _major(major: int | None) -> int:
@@ -197,7 +186,7 @@ def grouped_config_names(major: int | None = None) -> list[str]:
     """Names of the compiled grouped-GEMM configurations for compute capability ``major`` (default:
     device 0), in the order the ``tile`` attribute indexes them."""
     lib = cuda_library()
-    if lib is None or not hasattr(lib, "ModeloptFp8GroupedGemmConfigName"):
+    if lib is None:
         return []
     major = _major(major)
     names = []

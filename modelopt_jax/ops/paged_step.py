@@ -47,7 +47,7 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype)
     """Whether the CUDA decode kernel is built and compiled for this shape (it runs where the platform is CUDA)."""
     from modelopt_jax.ops import native
 
-    return (native.has_paged_decode_kernel() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
+    return (native.has_cuda_handler() and head_dim in KERNEL_HEAD_DIMS and heads % kv_heads == 0
             and heads // kv_heads <= KERNEL_MAX_GROUP and jnp.dtype(pool_dtype).name in KERNEL_POOL_DTYPES
             and jnp.dtype(dtype).name in KERNEL_COMPUTE_DTYPES)
 
@@ -55,10 +55,7 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype)
 def prefill_kernel_supports(heads: int, kv_heads: int, head_dim: int, pool_dtype, dtype) -> bool:
     """Whether the CUDA prefill kernel is built and serves this shape and compute dtype (see
     :func:`tensor_cores_serve`; float32 compute keeps XLA's path, whose float32 einsums it would not match)."""
-    from modelopt_jax.ops import native
-
-    return (native.has_paged_prefill_kernel() and kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype)
-            and tensor_cores_serve(pool_dtype, dtype))
+    return kernel_supports(heads, kv_heads, head_dim, pool_dtype, dtype) and tensor_cores_serve(pool_dtype, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +106,10 @@ class AttentionConfig:
         gpu = platform == "gpu" and sliding_window is None
         decode_ok = gpu and kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
         prefill_ok = gpu and prefill_kernel_supports(num_heads, num_kv_heads, head_dim, pool_dtype, compute_dtype)
-        from modelopt_jax.ops import native
-
-        fused = decode_ok and native.has_paged_decode_write_kernel()
-        cascade_ok = decode_ok and prefill_ok and native.has_paged_prefill_lse_kernel()
+        # (kernel_supports implies the CUDA library, and with it the fused write and the prefill
+        # kernel's log-sum-exp variant: one contract, ffi/abi_version.h)
+        fused = decode_ok
+        cascade_ok = decode_ok and prefill_ok
         cascade = max(1, 64 // max(1, num_heads // num_kv_heads)) if cascade_ok else 0
         config = cls(page_size=int(page_size), sliding_window=sliding_window, cascade_group=cascade,
                      decode="fused_kernel" if fused else "kernel" if decode_ok else "xla",

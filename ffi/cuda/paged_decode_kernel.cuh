@@ -1,4 +1,4 @@
-// XLA FFI handler of the modelopt_paged_decode op: one query token per sequence attends over that
+// The modelopt_paged_decode ops' kernels: one query token per sequence attends over that
 // sequence's pages of a paged KV cache, reading only the pages in use (FlashDecoding-style).
 //
 // Why a kernel: XLA's version gathers every row's block table into a dense [B, pages*page, kv, d]
@@ -13,23 +13,23 @@
 // folded into q and the value scale into the output. (XLA's path rounds code * scale to the compute
 // dtype first, a difference within that dtype's rounding.) q is float32 [T, heads, d]; the output
 // float32 [T, heads, d]. Token t attends over positions 0 .. lengths[t] - 1 of its row.
+//
+// The kernels and their launch; the handler (paged_decode.cu) parses the call (paged_pool.h) and fills
+// Params. Included by that one translation unit, hence the internal linkage.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <string>
 #include <type_traits>
-#include <utility>
 
 #include "attention_mma.cuh"
-#include "xla/ffi/api/ffi.h"
 
-namespace modelopt_jax::cuda {
+namespace modelopt_jax::cuda::decode {
 namespace {
-
-namespace ffi = xla::ffi;
 
 constexpr int kWarps = 4;
 constexpr int kChunkPages = 256;  // page ids a CTA stages in shared memory at a time
@@ -561,10 +561,6 @@ __global__ void MergeSplitsKernel(Params p, int G, int D) {
   p.out[((size_t)b * p.kv_heads * G + head) * D + d] = lsum > 0.f ? o / lsum : 0.f;
 }
 
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument("modelopt_paged_decode: " + what);
-}
-
 template <typename T, int D, int G>
 void Launch(const Params& p, int batch, cudaStream_t stream) {
   dim3 grid(p.splits, p.kv_heads, batch);
@@ -582,227 +578,5 @@ void Launch(const Params& p, int batch, cudaStream_t stream) {
   if (p.splits > 1) MergeSplitsKernel<<<dim3(batch, p.kv_heads * G), D, 0, stream>>>(p, G, D);
 }
 
-template <typename T, int D>
-bool DispatchG(int g, const Params& p, int batch, cudaStream_t stream) {
-  switch (g) {
-    case 1: Launch<T, D, 1>(p, batch, stream); return true;
-    case 2: Launch<T, D, 2>(p, batch, stream); return true;
-    case 3: Launch<T, D, 3>(p, batch, stream); return true;
-    case 4: Launch<T, D, 4>(p, batch, stream); return true;
-    case 5: Launch<T, D, 5>(p, batch, stream); return true;
-    case 6: Launch<T, D, 6>(p, batch, stream); return true;
-    case 7: Launch<T, D, 7>(p, batch, stream); return true;
-    case 8: Launch<T, D, 8>(p, batch, stream); return true;
-  }
-  return false;
-}
-
-template <typename T>
-bool DispatchD(int d, int g, const Params& p, int batch, cudaStream_t stream) {
-  switch (d) {
-    case 64: return DispatchG<T, 64>(g, p, batch, stream);
-    case 128: return DispatchG<T, 128>(g, p, batch, stream);
-  }
-  return false;
-}
-
-std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-// The fused write's operands (modelopt_paged_decode_write): this step's stored rows, their slots,
-// and the pools as results (aliased to the pool operands, so XLA updates them in place).
-struct NewTokens {
-  ffi::AnyBuffer k, v;
-  ffi::Buffer<ffi::S32> slots;
-  ffi::AnyBuffer k_pool, v_pool;  // the results
-};
-
-ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> part_o, ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale,
-                  float v_scale, float softmax_scale, int32_t page, int32_t variant, const NewTokens* write) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
-  if (qd.size() != 3) return Invalid("q must be [batch, heads, head_dim], got " + Dims(qd));
-  if (kd.size() != 3) return Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
-  if (v.dimensions().size() != 3 || v.dimensions()[0] != kd[0] || v.dimensions()[1] != kd[1] ||
-      v.dimensions()[2] != kd[2]) {
-    return Invalid("v must have k's shape " + Dims(kd) + ", got " + Dims(v.dimensions()));
-  }
-  if (k.element_type() != v.element_type()) return Invalid("k and v must have one dtype");
-  const int64_t batch = qd[0], heads = qd[1], d = qd[2], kv_heads = kd[1];
-  if (kd[2] != d) return Invalid("head_dim of q " + Dims(qd) + " and k " + Dims(kd) + " differ");
-  if (kv_heads <= 0 || heads % kv_heads != 0) {
-    return Invalid("heads (" + std::to_string(heads) + ") must be a multiple of kv_heads (" +
-                   std::to_string(kv_heads) + ")");
-  }
-  if (page <= 0 || kd[0] % page != 0) {
-    return Invalid("page_size " + std::to_string(page) + " must divide the pool's slots " + std::to_string(kd[0]));
-  }
-  if (td.size() != 2 || td[0] != batch) return Invalid("block_tables must be [" + std::to_string(batch) +
-                                                       ", pages], got " + Dims(td));
-  if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != batch) {
-    return Invalid("lengths must be [" + std::to_string(batch) + "], got " + Dims(lengths.dimensions()));
-  }
-  const auto od = out->dimensions(), pd = part_o->dimensions(), md = part_ml->dimensions();
-  if (od.size() != 3 || od[0] != batch || od[1] != heads || od[2] != d) return Invalid("out must have q's shape");
-  const int64_t g = heads / kv_heads;
-  if (pd.size() != 5 || pd[0] != batch || pd[1] != kv_heads || pd[3] != g || pd[4] != d || pd[2] < 1) {
-    return Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + Dims(pd));
-  }
-  if (md.size() != 5 || md[0] != batch || md[1] != kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
-    return Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
-  }
-  if (batch > 65535) return Invalid("batch " + std::to_string(batch) + " exceeds 65535");
-  if (batch == 0) return ffi::Error::Success();
-
-  Params p;
-  p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
-  p.tables = tables.typed_data(), p.lengths = lengths.typed_data();
-  p.out = out->typed_data(), p.part_o = part_o->typed_data(), p.part_ml = part_ml->typed_data();
-  p.kv_heads = static_cast<int>(kv_heads), p.table_width = static_cast<int>(td[1]), p.page = page;
-  p.splits = static_cast<int>(pd[2]);
-  const bool fp8 = k.element_type() == ffi::DataType::F8E4M3FN;
-  p.q_scale = softmax_scale * (fp8 ? k_scale : 1.f);
-  p.v_scale = fp8 ? v_scale : 1.f;
-  p.page_shift = (page & (page - 1)) == 0 ? __builtin_ctz(page) : -1;
-  if (variant != kStagedKernel && variant != kMmaKernel) {
-    return Invalid("variant must be 1 (staged) or 2 (mma), got " + std::to_string(variant));
-  }
-  p.variant = variant;
-  p.new_k = p.new_v = nullptr, p.slots = nullptr, p.num_slots = kd[0];
-  if (write != nullptr) {
-    const auto nd = write->k.dimensions();
-    if (nd.size() != 3 || nd[0] != batch || nd[1] != kv_heads || nd[2] != d) {
-      return Invalid("new keys must be [" + std::to_string(batch) + ", " + std::to_string(kv_heads) + ", " +
-                     std::to_string(d) + "], got " + Dims(nd));
-    }
-    const auto vd = write->v.dimensions();
-    if (vd.size() != 3 || vd[0] != nd[0] || vd[1] != nd[1] || vd[2] != nd[2]) {
-      return Invalid("new values must have the new keys' shape " + Dims(nd) + ", got " + Dims(vd));
-    }
-    if (write->k.element_type() != k.element_type() || write->v.element_type() != k.element_type()) {
-      return Invalid("new keys and values must be stored in the pool's dtype");
-    }
-    if (write->slots.dimensions().size() != 1 || write->slots.dimensions()[0] != batch) {
-      return Invalid("slots must be [" + std::to_string(batch) + "], got " + Dims(write->slots.dimensions()));
-    }
-    if (write->k_pool.dimensions().size() != 3 || write->k_pool.dimensions()[0] != kd[0] ||
-        write->v_pool.dimensions().size() != 3 || write->v_pool.dimensions()[0] != kd[0]) {
-      return Invalid("the written pools must have the pools' shape " + Dims(kd));
-    }
-    p.new_k = static_cast<const unsigned char*>(write->k.untyped_data());
-    p.new_v = static_cast<const unsigned char*>(write->v.untyped_data());
-    p.slots = write->slots.typed_data();
-    // Read the pools where they are written: the results (XLA aliases them to the operands; were it
-    // to copy instead, the copies are what holds this step's tokens).
-    p.k = write->k_pool.untyped_data(), p.v = write->v_pool.untyped_data();
-  }
-
-  bool launched = false;
-  switch (k.element_type()) {
-    case ffi::DataType::BF16: launched = DispatchD<__nv_bfloat16>(d, g, p, batch, stream); break;
-    case ffi::DataType::F16: launched = DispatchD<__half>(d, g, p, batch, stream); break;
-    case ffi::DataType::F8E4M3FN: launched = DispatchD<__nv_fp8_e4m3>(d, g, p, batch, stream); break;
-    default: return Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
-  }
-  if (!launched) {
-    return Invalid("compiled for head_dim 64 or 128 and 1..8 query heads per kv head; got head_dim " +
-                   std::to_string(d) + ", " + std::to_string(g) + " per kv head");
-  }
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("modelopt_paged_decode: ") + cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
-}
-
-// Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
-// element the kernel fails to write shows.
-ffi::Error PagedDecodeCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                           ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                           float softmax_scale, int32_t page, int32_t variant) {
-  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
-                nullptr);
-}
-
-// modelopt_paged_decode_write: this step's keys/values (already in the pool's dtype: the FP8 codes
-// XLA quantized, exactly as a scatter would store them) written into their slots by the decode
-// kernel itself, then attended over; the pools come back as results 3 and 4.
-ffi::Error PagedDecodeWriteCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths, ffi::AnyBuffer new_k,
-                                ffi::AnyBuffer new_v, ffi::Buffer<ffi::S32> slots,
-                                ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                                ffi::Result<ffi::Buffer<ffi::F32>> part_ml, ffi::Result<ffi::AnyBuffer> k_pool,
-                                ffi::Result<ffi::AnyBuffer> v_pool, float k_scale, float v_scale, float softmax_scale,
-                                int32_t page, int32_t variant) {
-  const NewTokens write{new_k, new_v, slots, *k_pool, *v_pool};
-  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
-                &write);
-}
-
-ffi::Error PagedDecodeCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                                   ffi::Buffer<ffi::F32> /*out_init, aliased to out*/,
-                                   ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                                   ffi::Result<ffi::Buffer<ffi::F32>> part_ml, float k_scale, float v_scale,
-                                   float softmax_scale, int32_t page, int32_t variant) {
-  return Decode(stream, q, k, v, tables, lengths, out, part_o, part_ml, k_scale, v_scale, softmax_scale, page, variant,
-                nullptr);
-}
-
-// Results: output [T, H, D], split partials o [T, KV, S, G, D] and (max, sum) [T, KV, S, G, 2] (with one
-// split, o is not written but (max, sum) is: the row's log-sum-exp, which cascade attention needs).
-template <typename Binding>
-auto BindResults(Binding&& b) {  // by reference: a Binding cannot be moved from outside
-  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
-}
-
-template <typename Binding>
-auto BindAttrs(Binding&& b) {
-  return std::move(b).template Attr<float>("k_scale")
-      .template Attr<float>("v_scale")
-      .template Attr<float>("softmax_scale")
-      .template Attr<int32_t>("page_size")
-      .template Attr<int32_t>("variant");
-}
-
-template <typename Binding>
-auto BindResultsAndAttrs(Binding b) {
-  return BindAttrs(BindResults(std::move(b)));
-}
-
-auto BindOperands() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
-      .Arg<ffi::AnyBuffer>()          // key pool [slots, KV, D]
-      .Arg<ffi::AnyBuffer>()          // value pool
-      .Arg<ffi::Buffer<ffi::S32>>()   // block tables [T, W]
-      .Arg<ffi::Buffer<ffi::S32>>();  // lengths [T] (position + 1)
-}
-
 }  // namespace
-}  // namespace modelopt_jax::cuda
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCuda, modelopt_jax::cuda::PagedDecodeCuda,
-                              modelopt_jax::cuda::BindResultsAndAttrs(modelopt_jax::cuda::BindOperands()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeWriteCuda, modelopt_jax::cuda::PagedDecodeWriteCuda,
-                              modelopt_jax::cuda::BindAttrs(
-                                  modelopt_jax::cuda::BindResults(modelopt_jax::cuda::BindOperands()
-                                                                      .Arg<xla::ffi::AnyBuffer>()  // new keys [T, KV, D]
-                                                                      .Arg<xla::ffi::AnyBuffer>()  // new values
-                                                                      .Arg<xla::ffi::Buffer<xla::ffi::S32>>())  // slots
-                                      .Ret<xla::ffi::AnyBuffer>()    // key pool, aliased to operand 1
-                                      .Ret<xla::ffi::AnyBuffer>()),  // value pool, aliased to operand 2
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedDecodeCudaPoisoned, modelopt_jax::cuda::PagedDecodeCudaPoisoned,
-                              modelopt_jax::cuda::BindResultsAndAttrs(
-                                  modelopt_jax::cuda::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+}  // namespace modelopt_jax::cuda::decode
