@@ -100,7 +100,7 @@ def main():
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
     rng = np.random.default_rng(0)
     report = {"device": jax.devices()[0].device_kind, "cpus": len(os.sched_getaffinity(0)),
-              "fast_cpu_handler": native.has_fast_cpu_handler(), "weights": "float8_e4m3fn",
+              "fast_cpu_handler": native.has_cpu_handler(), "weights": "float8_e4m3fn",
               "activations": "bfloat16", "results": {}}
     print(f"# {report['device']}, {report['cpus']} CPUs; FP8 weights, bf16 activations; fast CPU handler: "
           f"{report['fast_cpu_handler']}")
