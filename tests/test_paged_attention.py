@@ -375,7 +375,7 @@ def _raw_prefill(q, pool, page=16):
 BAD_POOLS = [
     ((6, 4, 64, jnp.bfloat16, 16), r"heads \(6\) must be a multiple of kv_heads \(4\)"),
     ((4, 2, 96, jnp.bfloat16, 16), r"compiled for head_dim 64 or 128 and 1\.\.8 query heads per kv head; got head_dim 96"),
-    ((18, 1, 64, jnp.bfloat16, 16), r"got head_dim 64, 18 per kv head"),
+    ((18, 1, 64, jnp.bfloat16, 16), r"compiled for head_dim 64 or 128 and 1\.\.8 query heads per kv head; got head_dim 64, 18 per kv head"),
     ((4, 2, 64, jnp.float32, 16), r"the pool must be bfloat16, float16 or float8_e4m3fn"),
     ((4, 2, 64, jnp.bfloat16, 12), r"page_size 12 must divide the pool's slots 64"),
 ]
