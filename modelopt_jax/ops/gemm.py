@@ -17,7 +17,8 @@ Backends register an implementation under a name:
   C++ handler on CPU (so CI exercises the real FFI plumbing).
 - ``"auto"``: chosen per platform at lowering time (``jax.lax.platform_dependent``): ``"cutlass"``
   on CUDA when the CUDA library is built and the call qualifies (bf16/fp16 output and the
-  alignment of :func:`~modelopt_jax.ops.alignment.cutlass_can_run`); on CPU the C++ handler when
+  alignment of :func:`~modelopt_jax.ops.alignment.cutlass_can_run`), unless the device's measured
+  dispatch table (:mod:`.gemm_dispatch`) has XLA's path faster for this (M bucket, N, K); on CPU the C++ handler when
   the CPU library (a current build of it) is present and M <= :data:`CPU_HANDLER_MAX_ROWS` (decode steps: XLA:CPU converts
   the whole FP8 weight to float on every call, which the handler does not, so it is 1.1-3x faster
   there; for larger M XLA's dot wins, bench/RESULTS.md "FP8 GEMM on CPU"); ``"xla"`` everywhere else.
@@ -164,12 +165,14 @@ CPU_HANDLER_MAX_ROWS = 32
 def _auto(x_q, w_q, **kwargs):
     """Per platform, chosen at lowering: our CUDA kernel for a qualifying call, our CPU handler for
     few rows, XLA otherwise (and wherever the library is not built)."""
-    from modelopt_jax.ops import ffi_gemm, native
+    from modelopt_jax.ops import ffi_gemm, gemm_dispatch, native
 
     native.warn_if_gpu_without_kernels()
     branches = {}
     if native.has_cuda_handler() and _cutlass_qualifies(x_q, w_q, kwargs["out_dtype"]):
-        branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
+        (m, k), n = x_q.shape, w_q.shape[0]
+        if gemm_dispatch.choose(gemm_dispatch.gpu_kind(), m, n, k) == gemm_dispatch.CUTLASS:
+            branches["cuda"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
     if native.has_cpu_handler() and x_q.shape[0] <= CPU_HANDLER_MAX_ROWS:
         branches["cpu"] = lambda x, w: ffi_gemm.ffi_scaled_gemm(x, w, **kwargs)
     if not branches:
