@@ -4,6 +4,7 @@
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
 #                             [tp-tests] [attach CKPT_DIR] [tp-bench CKPT_DIR] [attn-tests] [attn-bench] [attn-splits]
 #                             [prefill-tests] [attn-prefill] [grouped-tests] [grouped-bench ARGS...]
+#                             [accuracy] [dispatch [--shapes S] [--ms M]]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
 #                                    [noprefix] [nocascade] [engine K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
@@ -22,6 +23,9 @@
 #   of 700 tokens, (b)'s steady state).
 # grouped-tests / grouped-bench: the grouped FP8 GEMM's tests (GPU and CPU ones, on the GPU);
 #   bench/grouped_gemm.py with ARGS (ours, XLA's paths and torch in the same run).
+# accuracy: bench/gemm_accuracy.py (each GEMM configuration's fast-accumulation error against float64) and
+#   the GPU test bounding it. dispatch: bench/tune_dispatch.py (ours vs XLA's FP8 dot per shape and M;
+#   the table it would write is in $OUT/dispatch.json; --write is left to a deliberate run).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
 # prefill-tests / attn-prefill: the prefill kernel's tests; its GPU time on the engine's prompt-step shapes vs XLA.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
@@ -83,6 +87,11 @@ print('memcheck sample done')
         | tee "$OUT/grouped_tests.log" | tail -25 ;;
     grouped-bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tests ] && [ "$1" != grouped-tests ]; do args+=("$1"); shift; done
       python3 bench/grouped_gemm.py "${args[@]}" 2>&1 | tee "$OUT/grouped_bench.log" | tail -80 ;;
+    accuracy) shift  # each configuration's fast-accumulation error vs float64 (and its GPU test)
+      python3 bench/gemm_accuracy.py --json "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | tail -30
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_gemm.py -k accumulation 2>&1 | tail -3 ;;
+    dispatch) shift; args=(); while [ $# -gt 0 ] && [ "${1:0:2}" = -- ]; do args+=("$1" "$2"); shift 2; done
+      python3 bench/tune_dispatch.py --json "$OUT/dispatch.json" "${args[@]}" 2>&1 | tee "$OUT/dispatch.log" | tail -60 ;;
     wc-tests) shift
       python3 -m pytest -q -p no:cacheprovider -s tests/test_weight_cache.py tests/test_weight_cache_gpu.py \
         tests/test_dlpack_view.py 2>&1 | tee "$OUT/wc_tests.log" | tail -25 ;;
