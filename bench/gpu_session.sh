@@ -106,6 +106,7 @@ print('memcheck sample done')
         --prefill 2048 --json "$OUT/tp_bench.json" 2>&1 | tee "$OUT/tp_bench.log" | tail -20 ;;
     cascade-tests) shift
       python3 -m pytest -q -p no:cacheprovider -s tests/test_cascade_attention.py tests/test_engine_gpu.py \
+        tests/test_paged_attention.py::test_cuda_handlers_refuse_a_bad_pool_naming_the_op_and_what_is_wrong \
         2>&1 | tee "$OUT/cascade_tests.log" | tail -25 ;;
     attn-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_engine_gpu.py \
