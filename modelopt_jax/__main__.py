@@ -225,7 +225,8 @@ def _model_options(p) -> None:
     from modelopt_jax.dtypes import COMPUTE_DTYPES, KV_CACHE_DTYPES
 
     p.add_argument("--tokenizer", help="tokenizer.json, or a directory holding one (default: the checkpoint's)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model is split over (attention heads, MLP width, KV pages by head)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests decoded together at most (default: 512 where the KV pool holds 512 sequences "
                         "of 1024 tokens, else 256)")
@@ -303,8 +304,10 @@ def main(argv=None) -> int:
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=-1, help="<= 0 disables")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (1 disables)")
+    g.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same text, whatever else is "
+                   "batched with it (default: unseeded, each run differs)")
     g.add_argument("--logprobs", type=int, help="print each generated token's log-prob and the top N alternatives")
     g.add_argument("--stop-token-ids", type=int, nargs="+", help="stop at any of these token ids (besides EOS)")
     g.add_argument("--stop", action="append", help="stop where the text reaches this string (cut before it); repeatable")

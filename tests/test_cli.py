@@ -96,6 +96,9 @@ def test_generate_help_shows_defaults(capsys):
     out = capsys.readouterr().out
     assert "(default: 64)" in out and "{off,auto,require}" in out
     assert "(default: None)" not in out  # options without a default say what happens instead
+    for option in ("--top-p", "--seed", "--tensor-parallel-size"):  # argparse shows no default without help
+        block = out[out.index(f"  {option} "):].split("\n  --")[0]
+        assert "default:" in block, block
 
 
 def test_generate_streams_each_prompt_as_its_tokens_arrive(monkeypatch):
