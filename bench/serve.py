@@ -419,12 +419,11 @@ def main():
         from modelopt_jax.engine import Engine
 
         old = llm.engine
-        llm.engine = None
+        settings = dict(max_model_len=old.max_model_len, config=old.config, pad_id=old.runner.pad_id)
         attention = model.attention_config(old.config.page_size, **parse_settings(args.attention))
-        llm.engine = Engine(model, max_model_len=old.max_model_len, config=old.config, pad_id=old.runner.pad_id,
-                            attention=attention)
-        del old
+        llm.engine = old = None  # the old engine's KV pool must be freed before the new one sizes its own
         gc.collect()
+        llm.engine = Engine(model, attention=attention, **settings)
     wb, kvt = weight_bytes(model), kv_bytes_per_token(model)
     print(f"# {dev.device_kind}, jax {jax.__version__}; load {llm.load_seconds:.1f} s; weights {wb / 1e9:.2f} GB; "
           f"pool {llm.engine.pool.num_pages} pages of {llm.engine.pool.page_size} "
