@@ -365,6 +365,8 @@ def main():
     ap.add_argument("--write-preset")
     ap.add_argument("--workloads", default="a,b,c", help="a, b, c, d, e, f (module docstring); b256, c1024, c4096")
     ap.add_argument("--json")
+    ap.add_argument("--allow-xla", action="store_true",
+                    help="run on a GPU without our CUDA library (XLA's paths; otherwise refused, a misconfigured run)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="shrink prompt counts, lengths and max_tokens by this factor ((c) excepted; a CPU smoke test: 0.02)")
     ap.add_argument("--peer-json", help="vLLM's report of the same workloads (bench/peer_vllm_workloads.py): "
@@ -400,6 +402,10 @@ def main():
     import jax
 
     from modelopt_jax import LLM
+    from modelopt_jax.ops import native
+    if jax.default_backend() == "gpu" and not native.has_cuda_handler() and not args.allow_xla:
+        sys.exit("bench/serve.py: no CUDA library of this package is loaded (MODELOPT_JAX_NATIVE_DIR, .native), so "
+                 "the engine would run XLA's paths; pass --allow-xla to measure those on purpose")
     if args.write_preset:
         write_preset(args.checkpoint, args.write_preset)
     dev = jax.devices()[0]
