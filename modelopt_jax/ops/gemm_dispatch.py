@@ -86,8 +86,10 @@ def choose(device_kind: str | None, m: int, n: int, k: int, tables: Mapping | No
     return CUTLASS if rule is None else rule.path(m)
 
 
+@functools.cache
 def gpu_kind() -> str | None:
-    """The device kind of the first GPU (what "auto" traces for), or None on a machine without one."""
+    """The device kind of the first GPU (what "auto" traces for), or None on a machine without one
+    (asked once: a process's devices do not change, and every GEMM's trace asks)."""
     import jax
 
     try:
