@@ -8,7 +8,6 @@ what the ops pass: it must not be loaded, and the user must be told which file a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import pathlib
 import re
 
@@ -45,10 +44,30 @@ def test_a_library_of_another_version_is_refused_with_its_path_named(monkeypatch
     assert "Rebuild" in message
 
 
+def _foreign_library() -> str:
+    """A loadable shared library without the version symbol, standing in for an old build."""
+    import _ctypes
+
+    path = getattr(_ctypes, "__file__", None)
+    if not path:
+        pytest.skip("_ctypes is built into this interpreter: no shared library to stand in for an old build")
+    return path
+
+
 def test_a_library_without_the_version_symbol_is_refused():
-    libc = ctypes.util.find_library("c")
-    if libc is None:
-        pytest.skip("no C library to stand in for an old build")
-    assert native.abi_version(ctypes.cdll.LoadLibrary(libc)) is None
+    foreign = _foreign_library()
+    assert native.abi_version(ctypes.cdll.LoadLibrary(foreign)) is None
     with pytest.warns(UserWarning, match="before the version symbol existed"):
-        assert native._open(libc) is None
+        assert native._open(foreign) is None
+
+
+@pytest.mark.skipif(native._find(native.CPU_LIB) is None, reason="native CPU FFI library not built")
+def test_a_stale_copy_first_on_the_search_path_does_not_hide_a_current_one(monkeypatch, tmp_path):
+    """MODELOPT_JAX_NATIVE_DIR (searched first) holding a library of another contract: the next copy
+    of this contract is loaded, and the warning says the stale one was passed over."""
+    current = native._find(native.CPU_LIB)
+    (tmp_path / native.CPU_LIB).symlink_to(_foreign_library())
+    monkeypatch.setattr(native, "_search_dirs", lambda: [str(tmp_path), str(pathlib.Path(current).parent)])
+    with pytest.warns(UserWarning, match="the next copy on the search path is tried"):
+        lib = native._open_first(native.CPU_LIB)
+    assert lib is not None and native.abi_version(lib) == native.ABI_VERSION

@@ -9,7 +9,8 @@ says so the first time a CUDA device is seen.
 Each library states the version of the handler contract it was built to
 (``ModeloptJaxFfiAbiVersion``, ffi/abi_version.h). One built from other sources than this package
 would register handlers whose operands differ from what the ops pass, or lack some: it is not
-loaded (a warning names it and says how to rebuild), so the XLA paths run instead.
+loaded (a warning names it and says how to rebuild), the next copy on the search path is tried, and
+with none of this contract the XLA paths run.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ def _search_dirs() -> list[str]:
     return dirs
 
 
+def _candidates(name: str) -> list[str]:
+    """Every copy of library ``name`` on the search path, in search order."""
+    return [p for p in (os.path.join(d, name) for d in _search_dirs()) if os.path.exists(p)]
+
+
 def _find(name: str) -> str | None:
-    for d in _search_dirs():
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            return path
-    return None
+    """The first copy of library ``name`` on the search path."""
+    found = _candidates(name)
+    return found[0] if found else None
 
 
 def abi_version(lib: ctypes.CDLL) -> int | None:
@@ -65,17 +69,30 @@ def abi_version(lib: ctypes.CDLL) -> int | None:
     return int(fn())
 
 
-def _open(path: str) -> ctypes.CDLL | None:
-    """``path`` loaded, or None (with a warning naming it) where it was built to another contract."""
+def _open(path: str, *, fallback: bool = False) -> ctypes.CDLL | None:
+    """``path`` loaded, or None (with a warning naming it) where it was built to another contract;
+    ``fallback``: the warning says another copy is tried next instead of that XLA's paths run."""
     lib = ctypes.cdll.LoadLibrary(path)
     version = abi_version(lib)
     if version != ABI_VERSION:
         built = "before the version symbol existed" if version is None else f"for FFI ABI version {version}"
+        then = "the next copy on the search path is tried" if fallback else "XLA's paths run instead"
         warnings.warn(f"{path} was built {built}, but this modelopt_jax needs version {ABI_VERSION}: it is not "
-                      f"used (XLA's paths run instead). Rebuild it from this source tree (`pip install .`, or "
-                      f"cmake as in README) or remove it.", stacklevel=3)
+                      f"used ({then}). Rebuild it from this source tree (`pip install .`, or cmake as in README) "
+                      f"or remove it.", stacklevel=3)
         return None
     return lib
+
+
+def _open_first(name: str) -> ctypes.CDLL | None:
+    """The first copy of ``name`` on the search path built to this contract: a stale build that
+    shadows a current one (``MODELOPT_JAX_NATIVE_DIR``, an old in-tree ``_native``) does not hide it."""
+    found = _candidates(name)
+    for i, path in enumerate(found):
+        lib = _open(path, fallback=i + 1 < len(found))
+        if lib is not None:
+            return lib
+    return None
 
 
 def _register(lib: ctypes.CDLL, platform: str, targets: dict[str, str]) -> None:
@@ -85,8 +102,7 @@ def _register(lib: ctypes.CDLL, platform: str, targets: dict[str, str]) -> None:
 
 @functools.cache
 def cpu_library() -> ctypes.CDLL | None:
-    path = _find(CPU_LIB)
-    lib = None if path is None else _open(path)
+    lib = _open_first(CPU_LIB)
     if lib is not None:
         _register(lib, "cpu", {TARGET: "ModeloptFp8GemmCpu", GROUPED_TARGET: "ModeloptFp8GroupedGemmCpu"})
     return lib
@@ -94,13 +110,10 @@ def cpu_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def cuda_library() -> ctypes.CDLL | None:
-    path = _find(CUDA_LIB)
-    if path is None:
-        return None
     try:
-        lib = _open(path)
+        lib = _open_first(CUDA_LIB)
     except OSError as e:  # e.g. a CUDA runtime mismatch on this machine
-        warnings.warn(f"{path} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
+        warnings.warn(f"{CUDA_LIB} failed to load ({e}); FP8 GEMMs on CUDA use XLA's path", stacklevel=2)
         return None
     if lib is not None:
         _register(lib, "CUDA", {
