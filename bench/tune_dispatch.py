@@ -41,17 +41,6 @@ DEFAULT_MS = "1,8,16,32,64,128,256,512,1024,2048,4096,8192"
 TABLE_FILE = os.path.join(ROOT, "modelopt_jax", "ops", "gemm_dispatch_tables.py")
 
 
-def buckets(choices: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
-    """Measured (M, path) pairs, ascending M, merged into (largest M, path) buckets."""
-    merged: list[tuple[int, str]] = []
-    for m, path in choices:
-        if merged and merged[-1][1] == path:
-            merged[-1] = (m, path)
-        else:
-            merged.append((m, path))
-    return tuple(merged)
-
-
 def write_table(device_kind: str, shapes: dict, measured: str) -> None:
     from modelopt_jax.ops.gemm_dispatch_tables import TABLES
 
@@ -97,7 +86,7 @@ def main() -> None:
                   f"xla/ours time {xla / ours:5.2f}  -> {path}", flush=True)
             del xs, ws
         if any(path != gemm_dispatch.CUTLASS for _, path in choices):
-            shapes[(n, k)] = buckets(choices)
+            shapes[(n, k)] = gemm_dispatch.merge_buckets(choices)
     print("table:", pprint.pformat(shapes, width=110))
     if args.json:
         with open(args.json, "w") as f:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +53,7 @@ def test_the_packaged_tables_parse():
 
 
 def test_the_tuner_merges_measured_choices_into_buckets():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from tune_dispatch import buckets
-
-    got = buckets([(1, CUTLASS), (16, CUTLASS), (64, XLA), (256, XLA), (1024, CUTLASS)])
+    got = gemm_dispatch.merge_buckets([(1, CUTLASS), (16, CUTLASS), (64, XLA), (256, XLA), (1024, CUTLASS)])
     assert got == ((16, CUTLASS), (256, XLA), (1024, CUTLASS))
     parse_table("x", {(8, 8): got})
 

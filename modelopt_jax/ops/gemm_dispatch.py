@@ -65,6 +65,18 @@ def parse_table(device_kind: str, shapes: Mapping[tuple[int, int], Sequence[Sequ
     return rules
 
 
+def merge_buckets(choices: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """Measured (M, path) pairs, ascending M, merged into a table's (largest M, path) buckets: an M
+    between two measured ones takes the next measured one's path."""
+    merged: list[tuple[int, str]] = []
+    for m, path in choices:
+        if merged and merged[-1][1] == path:
+            merged[-1] = (m, path)
+        else:
+            merged.append((m, path))
+    return tuple(merged)
+
+
 @functools.cache
 def _packaged_rules(device_kind: str) -> dict[tuple[int, int], ShapeRule]:
     from modelopt_jax.ops.gemm_dispatch_tables import TABLES
