@@ -17,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace modelopt_jax {
@@ -41,12 +42,6 @@ struct Fp8GemmProblem {
   int swizzle = 1;  // tiles swizzled in groups of 1, 2, 4 or 8 (L2 reuse)
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
 };
-
-inline std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
 
 inline ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("modelopt_fp8_gemm: " + what);

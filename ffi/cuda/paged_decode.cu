@@ -18,7 +18,7 @@ namespace modelopt_jax::cuda::decode {
 namespace {
 
 namespace ffi = xla::ffi;
-using paged::Dims;
+using paged::DimsToString;
 
 constexpr paged::Op kOp{"modelopt_paged_decode"};
 
@@ -39,18 +39,18 @@ ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k
   const int64_t batch = pool.tokens, heads = pool.heads, d = pool.head_dim, kv_heads = pool.kv_heads, g = pool.group;
   const auto td = tables.dimensions();
   if (td.size() != 2 || td[0] != batch) {
-    return kOp.Invalid("block_tables must be [" + std::to_string(batch) + ", pages], got " + Dims(td));
+    return kOp.Invalid("block_tables must be [" + std::to_string(batch) + ", pages], got " + DimsToString(td));
   }
   if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != batch) {
-    return kOp.Invalid("lengths must be [" + std::to_string(batch) + "], got " + Dims(lengths.dimensions()));
+    return kOp.Invalid("lengths must be [" + std::to_string(batch) + "], got " + DimsToString(lengths.dimensions()));
   }
   const auto od = out->dimensions(), pd = part_o->dimensions(), md = part_ml->dimensions();
   if (od.size() != 3 || od[0] != batch || od[1] != heads || od[2] != d) return kOp.Invalid("out must have q's shape");
   if (pd.size() != 5 || pd[0] != batch || pd[1] != kv_heads || pd[3] != g || pd[4] != d || pd[2] < 1) {
-    return kOp.Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + Dims(pd));
+    return kOp.Invalid("partial_o must be [batch, kv_heads, splits, group, head_dim], got " + DimsToString(pd));
   }
   if (md.size() != 5 || md[0] != batch || md[1] != kv_heads || md[2] != pd[2] || md[3] != g || md[4] != 2) {
-    return kOp.Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + Dims(md));
+    return kOp.Invalid("partial_ml must be [batch, kv_heads, splits, group, 2], got " + DimsToString(md));
   }
   if (batch > 65535) return kOp.Invalid("batch " + std::to_string(batch) + " exceeds 65535");
   if (variant != kStagedKernel && variant != kMmaKernel) {
@@ -71,21 +71,21 @@ ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k
     const auto nd = write->k.dimensions();
     if (nd.size() != 3 || nd[0] != batch || nd[1] != kv_heads || nd[2] != d) {
       return kOp.Invalid("new keys must be [" + std::to_string(batch) + ", " + std::to_string(kv_heads) + ", " +
-                         std::to_string(d) + "], got " + Dims(nd));
+                         std::to_string(d) + "], got " + DimsToString(nd));
     }
     const auto vd = write->v.dimensions();
     if (vd.size() != 3 || vd[0] != nd[0] || vd[1] != nd[1] || vd[2] != nd[2]) {
-      return kOp.Invalid("new values must have the new keys' shape " + Dims(nd) + ", got " + Dims(vd));
+      return kOp.Invalid("new values must have the new keys' shape " + DimsToString(nd) + ", got " + DimsToString(vd));
     }
     if (write->k.element_type() != k.element_type() || write->v.element_type() != k.element_type()) {
       return kOp.Invalid("new keys and values must be stored in the pool's dtype");
     }
     if (write->slots.dimensions().size() != 1 || write->slots.dimensions()[0] != batch) {
-      return kOp.Invalid("slots must be [" + std::to_string(batch) + "], got " + Dims(write->slots.dimensions()));
+      return kOp.Invalid("slots must be [" + std::to_string(batch) + "], got " + DimsToString(write->slots.dimensions()));
     }
     if (write->k_pool.dimensions().size() != 3 || write->k_pool.dimensions()[0] != pool.slots ||
         write->v_pool.dimensions().size() != 3 || write->v_pool.dimensions()[0] != pool.slots) {
-      return kOp.Invalid("the written pools must have the pools' shape " + Dims(k.dimensions()));
+      return kOp.Invalid("the written pools must have the pools' shape " + DimsToString(k.dimensions()));
     }
     p.new_k = static_cast<const unsigned char*>(write->k.untyped_data());
     p.new_v = static_cast<const unsigned char*>(write->v.untyped_data());

@@ -20,17 +20,14 @@
 #include <type_traits>
 #include <utility>
 
+#include "../ffi_dims.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace modelopt_jax::cuda::paged {
 
 namespace ffi = xla::ffi;
 
-inline std::string Dims(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
+using ::modelopt_jax::DimsToString;
 
 // An op's errors, each prefixed with its target name, so a failing call says which op refused.
 struct Op {
@@ -68,17 +65,19 @@ struct Pool {
 inline ffi::Error ParsePool(const Op& op, const char* q_rows, ffi::Span<const int64_t> qd, const ffi::AnyBuffer& k,
                             const ffi::AnyBuffer& v, int32_t page, Pool* pool) {
   const auto kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 3) return op.Invalid(std::string("q must be [") + q_rows + ", heads, head_dim], got " + Dims(qd));
-  if (kd.size() != 3) return op.Invalid("k must be [slots, kv_heads, head_dim], got " + Dims(kd));
+  if (qd.size() != 3) {
+    return op.Invalid(std::string("q must be [") + q_rows + ", heads, head_dim], got " + DimsToString(qd));
+  }
+  if (kd.size() != 3) return op.Invalid("k must be [slots, kv_heads, head_dim], got " + DimsToString(kd));
   if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
-    return op.Invalid("v must have k's shape " + Dims(kd) + ", got " + Dims(vd));
+    return op.Invalid("v must have k's shape " + DimsToString(kd) + ", got " + DimsToString(vd));
   }
   if (k.element_type() != v.element_type()) return op.Invalid("k and v must have one dtype");
   const auto dtype = k.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16 && dtype != ffi::DataType::F8E4M3FN) {
     return op.Invalid("the pool must be bfloat16, float16 or float8_e4m3fn");
   }
-  if (kd[2] != qd[2]) return op.Invalid("head_dim of q " + Dims(qd) + " and k " + Dims(kd) + " differ");
+  if (kd[2] != qd[2]) return op.Invalid("head_dim of q " + DimsToString(qd) + " and k " + DimsToString(kd) + " differ");
   if (kd[1] <= 0 || qd[1] % kd[1] != 0) {
     return op.Invalid("heads (" + std::to_string(qd[1]) + ") must be a multiple of kv_heads (" +
                       std::to_string(kd[1]) + ")");

@@ -17,7 +17,7 @@ namespace modelopt_jax::cuda::prefill {
 namespace {
 
 namespace ffi = xla::ffi;
-using paged::Dims;
+using paged::DimsToString;
 
 constexpr paged::Op kOp{"modelopt_paged_prefill"};
 
@@ -30,17 +30,17 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   if (auto err = paged::ParsePool(kOp, "tokens", q.dimensions(), k, v, page, &pool); err.failure()) return err;
   const auto qd = q.dimensions(), td = tables.dimensions(), rd = row_tokens.dimensions();
   const int64_t tokens = pool.tokens;
-  if (td.size() != 2) return kOp.Invalid("block_tables must be [rows, pages], got " + Dims(td));
+  if (td.size() != 2) return kOp.Invalid("block_tables must be [rows, pages], got " + DimsToString(td));
   if (rd.size() != 2 || rd[0] != td[0]) {
-    return kOp.Invalid("row_tokens must be [" + std::to_string(td[0]) + ", row_width], got " + Dims(rd));
+    return kOp.Invalid("row_tokens must be [" + std::to_string(td[0]) + ", row_width], got " + DimsToString(rd));
   }
   if (positions.dimensions().size() != 1 || positions.dimensions()[0] != tokens) {
-    return kOp.Invalid("positions must be [" + std::to_string(tokens) + "], got " + Dims(positions.dimensions()));
+    return kOp.Invalid("positions must be [" + std::to_string(tokens) + "], got " + DimsToString(positions.dimensions()));
   }
   const int64_t rows = td[0], row_width = rd[1];
   const auto od = out->dimensions();
   if (od.size() != 3 || od[0] != tokens || od[1] != pool.heads || od[2] != pool.head_dim) {
-    return kOp.Invalid("out must be q's shape " + Dims(qd) + ", got " + Dims(od));
+    return kOp.Invalid("out must be q's shape " + DimsToString(qd) + ", got " + DimsToString(od));
   }
   if (rows > 65535 || pool.kv_heads > 65535) return kOp.Invalid("rows and kv_heads must be at most 65535");
   // tokens in no row (step padding) keep these zeros; the kernel writes every other one. The
@@ -98,7 +98,7 @@ ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi
                                float softmax_scale, int32_t page) {
   const auto qd = q.dimensions(), ld = lse->dimensions();
   if (qd.size() != 3 || ld.size() != 2 || ld[0] != qd[0] || ld[1] != qd[1]) {
-    return kOp.Invalid("lse must be [tokens, heads] of q " + Dims(qd) + ", got " + Dims(ld));
+    return kOp.Invalid("lse must be [tokens, heads] of q " + DimsToString(qd) + ", got " + DimsToString(ld));
   }
   return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
                       lse->typed_data());
