@@ -464,13 +464,14 @@ def test_bad_engine_settings_are_clear_errors(kw, match):
 
 
 def test_max_num_seqs_default_follows_the_pool():
-    """max_num_seqs=None: 512 rows where the pool holds 512 sequences of 1024 tokens (a big GPU's),
+    """max_num_seqs=None: 512 rows where the pool holds 512 sequences of 512 tokens (a big GPU's),
     256 where it does not (the small default CPU pool); resolved once, into engine.config; an
     explicit value is kept whatever the pool."""
     from modelopt_jax.engine.engine import default_max_num_seqs
 
-    assert default_max_num_seqs(512 * 64, 16) == 512
-    assert default_max_num_seqs(512 * 64 - 1, 16) == 256
+    assert default_max_num_seqs(512 * 32, 16) == 512
+    assert default_max_num_seqs(512 * 32 - 1, 16) == 256
+    assert default_max_num_seqs(28405, 16) == 512  # the H100 80GB's pool for an 8B FP8 model
     small = _llm()
     assert small.engine.config.max_num_seqs == 256
     assert small.engine.pool.num_pages * small.engine.pool.page_size < 512 * 1024

@@ -32,10 +32,12 @@ CPU_DEFAULT_SEQS = 8  # full-length sequences the default CPU pool holds (see po
 # max_num_seqs=None: LARGE_POOL_SEQS rows where the pool holds that many sequences of
 # LARGE_POOL_TOKENS tokens, else SMALL_POOL_SEQS. Why: more rows finish a workload in fewer,
 # fuller decode steps -- on the H200 (8B FP8, 1000 prompts of 64-1024 tokens, 32-512 new) 256
-# rows gave 11,702 generated tok/s, 512 rows 12,343 and 1024 rows 11,995 (bench/RESULTS.md) --
-# but only where the pool can hold them; a small pool would preempt and recompute instead
-# (vLLM, likewise, defaults to more rows on GPUs of 70 GiB and up).
-LARGE_POOL_SEQS, LARGE_POOL_TOKENS, SMALL_POOL_SEQS = 512, 1024, 256
+# rows gave 11,702 generated tok/s, 512 rows 12,343 and 1024 rows 11,995; on an H100 80GB (a pool
+# of 454k tokens) 256 rows 9,385 and 512 rows 10,607 with no preemption (bench/RESULTS.md). Rows
+# are only taken where the admission reserve (reserve_tokens) finds pages for them, so a pool
+# that holds fewer long sequences admits fewer; the threshold only keeps small pools (the CPU's)
+# from compiling decode programs for rows they can never fill.
+LARGE_POOL_SEQS, LARGE_POOL_TOKENS, SMALL_POOL_SEQS = 512, 512, 256
 
 
 @dataclasses.dataclass(frozen=True)
