@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from modelopt_jax.engine.engine import default_max_num_seqs  # noqa: E402
 from modelopt_jax.engine.pages import PagePool  # noqa: E402
 from modelopt_jax.engine.request import Request  # noqa: E402
-from modelopt_jax.engine.buckets import MAX_PROMPT_SEQS, token_bucket  # noqa: E402
-from modelopt_jax.engine.runner import kernel_prompt_section, program_parts, step_shape  # noqa: E402
-from modelopt_jax.ops.paged_step import AttentionConfig  # noqa: E402
+from modelopt_jax.engine.buckets import MAX_PROMPT_SEQS, MIN_DECODE_ROWS, bucket, token_bucket  # noqa: E402
+from modelopt_jax.engine.runner import kernel_prompt_section, program_parts, shared_prefixes, step_shape  # noqa: E402
+from modelopt_jax.ops.paged_step import AttentionConfig, cascade_lines  # noqa: E402
 from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402
 
@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--reserve-tokens", type=int, default=1024)
     ap.add_argument("--one-program", action="store_true", help="mixed steps as one program (EngineConfig."
                                                                 "split_steps=False), not a decode and a prompt one")
+    ap.add_argument("--cascade-group", type=int, default=16,
+                    help="AttentionConfig.cascade_group (Llama-3-8B on the GPU: 16; 0: no cascade attention)")
     ap.add_argument("--verbose", action="store_true", help="print every program's shape and step count")
     args = ap.parse_args()
     if args.max_num_seqs is None:
@@ -87,7 +89,8 @@ def main():
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           reserve_tokens=args.reserve_tokens, split_steps=args.split,
                           prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens), cap)[2])
-    attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel")  # the H200's paths
+    attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel",  # the H200's paths
+                                cascade_group=args.cascade_group)
     seen = set()
     for run in range(args.runs):
         requests = [Request(i, None, list(ids), SamplingParams(max_tokens=m, ignore_eos=True), frozenset(), m,
@@ -105,6 +108,7 @@ def simulate(args, scheduler, attention, requests, run):
     table_width = -(-args.max_model_len // args.page_size)
     shapes, rows_hist, steps = collections.Counter(), collections.Counter(), collections.Counter()
     real = padded = 0
+    cascade = collections.Counter()  # decode rows, rows reading a shared prefix, prefix tokens read (whole / cascade)
     seconds = {"prompt": 0.0, "decode": 0.0}
     while not scheduler.done:
         batch = scheduler.schedule()
@@ -114,6 +118,16 @@ def simulate(args, scheduler, attention, requests, run):
         for key in keys:
             shapes[key] += 1
             padded += key.tokens
+        decode = [r for r, n in batch if n == 1]
+        if decode and attention.cascade_group:
+            nd = bucket(len(decode), MIN_DECODE_ROWS)
+            plan = shared_prefixes(decode, attention.cascade_group, args.page_size, table_width,
+                                   cascade_lines(nd, attention.cascade_group), pad=nd)
+            cascade["rows"] += len(decode)
+            cascade["sharing"] += plan.rows_sharing
+            cascade["tokens_read"] += sum(r.computed + 1 for r in decode) - int(plan.lengths.sum()) + \
+                args.page_size * int(np.count_nonzero(plan.tables))
+            cascade["tokens_plain"] += sum(r.computed + 1 for r in decode)
         prompt = any(n > 1 for _, n in batch)
         steps["prompt" if prompt else "decode"] += 1
         rows_hist["prompt" if prompt else "decode"] += len(batch)
@@ -130,6 +144,10 @@ def simulate(args, scheduler, attention, requests, run):
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
           f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
           f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%}")
+    if cascade["rows"]:
+        print(f"cascade attention (group {attention.cascade_group}): {cascade['sharing'] / cascade['rows']:.1%} of "
+              f"decode rows read a shared prefix; decode steps read {cascade['tokens_read'] / cascade['tokens_plain']:.1%} "
+              f"of the KV tokens they would without it")
     generated = sum(r.budget for r in requests)
     total = seconds["prompt"] + seconds["decode"]
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "

@@ -281,7 +281,7 @@ def run(llm, prompts, params):
 
 PREFIX_STATS = (("prefix_cache_hit_tokens", "prefix-cache hit tokens"),
                 ("prefill_tokens_computed", "prompt tokens computed"), ("mixed_steps", "mixed steps"),
-                ("shared_prefix_rows", "decode rows reading a shared prefix per group"))
+                ("shared_prefix_rows", "decode rows reading a shared prefix once per line"))
 
 
 def prefix_summary(st: dict, first: dict | None = None) -> str:

@@ -1,5 +1,6 @@
-"""Cascade attention: decode rows that share a prefix of full pages read it once per group of rows
-and their own pages after it, the two parts merged by their log-sum-exps.
+"""Cascade attention: decode rows that share a prefix of full pages read it once per line (up to
+cascade_group rows, anywhere in the step) and their own pages after it, the two parts merged by
+their log-sum-exps.
 
 Correctness is stated against a float64 reference of each row's attention over its own table (no
 sharing at all), and, at the engine's surface, against the same engine without cascade (same
@@ -24,7 +25,7 @@ from modelopt_jax.engine import Engine, EngineConfig
 from modelopt_jax.engine.request import Request
 from modelopt_jax.engine.runner import shared_prefixes
 from modelopt_jax.ops.attention import step_attention
-from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep
+from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, cascade_lines
 
 PAGE = 4
 HEADS, KV, HD = 4, 2, 16
@@ -49,8 +50,10 @@ def _reference(q, k_pool, v_pool, tables, positions, k_scale=None, v_scale=None,
 
 
 def _decode_step(rng, pool_dtype, group):
-    """Eleven decode rows (padded to 12) over a pool where rows 0-4 share 5 pages, rows 5-7 share 2
-    pages with each other but 1 with rows 0-4, rows 8-10 share nothing; groups of ``group`` rows."""
+    """Eleven decode rows (padded to 12) over a pool where rows 0-4 share 5 pages, rows 5-7 share 3
+    pages with each other but 1 with rows 0-4, rows 8-10 share nothing; lines of at most ``group``
+    rows: line 0 holds rows 7 and 6 (row 5, which could share, reads everything itself), line 1 rows
+    4, 0, 2, 1, 3, the last line none."""
     pages = 64
     k_pool = rng.standard_normal((pages * PAGE, KV, HD)).astype(pool_dtype)
     v_pool = rng.standard_normal((pages * PAGE, KV, HD)).astype(pool_dtype)
@@ -77,16 +80,16 @@ def _decode_step(rng, pool_dtype, group):
     shared = np.zeros(d, np.int32)
     shared[:5] = 5 * PAGE
     shared[6:8] = 3 * PAGE
-    groups = -(-d // group)
-    shared_tables = np.zeros((groups, width), np.int32)
-    for c in range(groups):
-        members = [i for i in range(c * group, min(d, (c + 1) * group)) if shared[i]]
-        if members:
-            n = shared[members[0]] // PAGE
-            assert all(shared[i] == shared[members[0]] and tables[i][:n] == tables[members[0]][:n] for i in members)
-            shared_tables[c, :n] = tables[members[0]][:n]
+    lines = cascade_lines(d, group)
+    shared_tables = np.zeros((lines, width), np.int32)
+    shared_rows = np.full((lines, group), d, np.int32)
+    for c, members in enumerate(([7, 6], [4, 0, 2, 1, 3])):
+        n = shared[members[0]] // PAGE
+        assert all(shared[i] == shared[members[0]] and tables[i][:n] == tables[members[0]][:n] for i in members)
+        shared_tables[c, :n] = tables[members[0]][:n]
+        shared_rows[c, :len(members)] = members
     q = rng.standard_normal((d, HEADS, HD)).astype(np.float32)
-    return q, k_pool, v_pool, block, pos, shared, shared_tables, tables, positions
+    return q, k_pool, v_pool, block, pos, shared, shared_tables, shared_rows, tables, positions
 
 
 @pytest.fixture
@@ -100,18 +103,19 @@ def on_cpu():
 @pytest.mark.parametrize("pool", ["float32", "bfloat16", "fp8"])
 def test_cascade_decode_equals_the_float64_reference(pool, on_cpu):
     """The merged shared-prefix and own-pages attention equals each row attending over its whole
-    table (float64), for members, non-members and padding of groups that share different prefixes."""
+    table (float64), for rows on lines (in any order), rows that could share but are on none, rows
+    that share nothing and padding."""
     rng = np.random.default_rng(1)
     dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}[pool]
     k_scale, v_scale = (0.5, 0.25) if pool == "fp8" else (None, None)
-    # groups of 6: rows 0-4 and 6-7 fall in different groups, each with its own shared table
-    q, k_pool, v_pool, block, pos, shared, shared_tables, tables, positions = _decode_step(rng, dtype, group=6)
+    q, k_pool, v_pool, block, pos, shared, shared_tables, shared_rows, tables, positions = \
+        _decode_step(rng, dtype, group=6)
     compute = jnp.float32
     d = len(pos)
     step = PagedStep(jnp.zeros(d, jnp.int32), jnp.asarray(pos), jnp.zeros(d, jnp.int32), jnp.asarray(block),
                      jnp.zeros((0, 1), jnp.int32), jnp.arange(d, dtype=jnp.int32), d,
                      AttentionConfig(PAGE, cascade_group=6), shared_tables=jnp.asarray(shared_tables),
-                     shared_lengths=jnp.asarray(shared))
+                     shared_rows=jnp.asarray(shared_rows), shared_lengths=jnp.asarray(shared))
     step.check()
     # this step writes nothing new: the "new" keys go to the scratch page's slot 0, which no table reads
     k_new = jnp.asarray(k_pool[:d])
@@ -122,20 +126,22 @@ def test_cascade_decode_equals_the_float64_reference(pool, on_cpu):
     want = _reference(q[:11], k_pool, v_pool, tables, positions, k_scale, v_scale)
     np.testing.assert_allclose(got[:11], want, atol=2e-5, rtol=2e-5)
     assert np.isfinite(got).all()
-    plain = dataclasses.replace(step, shared_tables=None, shared_lengths=None)
+    plain = dataclasses.replace(step, shared_tables=None, shared_rows=None, shared_lengths=None)
     np.testing.assert_allclose(np.asarray(run(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), plain))[:11],
                                want, atol=2e-5, rtol=2e-5)
 
 
 def test_a_step_without_any_shared_prefix_is_unchanged(on_cpu):
-    """All shared lengths 0 (no group shares): the cascade step gives what the plain step gives."""
+    """All shared lengths 0 and every line padding (nobody shares): the cascade step gives what the
+    plain step gives."""
     rng = np.random.default_rng(2)
-    q, k_pool, v_pool, block, pos, _, _, tables, positions = _decode_step(rng, np.float32, group=6)
+    q, k_pool, v_pool, block, pos, *_, tables, positions = _decode_step(rng, np.float32, group=6)
     d = len(pos)
     config = AttentionConfig(PAGE, cascade_group=4)
     step = PagedStep(jnp.zeros(d, jnp.int32), jnp.asarray(pos), jnp.zeros(d, jnp.int32), jnp.asarray(block),
                      jnp.zeros((0, 1), jnp.int32), jnp.arange(d, dtype=jnp.int32), d, config,
-                     shared_tables=jnp.zeros((3, block.shape[1]), jnp.int32), shared_lengths=jnp.zeros(d, jnp.int32))
+                     shared_tables=jnp.zeros((3, block.shape[1]), jnp.int32),
+                     shared_rows=jnp.full((3, 4), d, jnp.int32), shared_lengths=jnp.zeros(d, jnp.int32))
     out = step_attention(jnp.asarray(q), jnp.asarray(k_pool[:d]), jnp.asarray(v_pool[:d]), jnp.asarray(k_pool),
                          jnp.asarray(v_pool), k_scale=None, v_scale=None, step=step, dtype=jnp.float32)[0]
     np.testing.assert_allclose(np.asarray(out)[:11], _reference(q[:11], k_pool, v_pool, tables, positions), atol=2e-5)
@@ -146,15 +152,24 @@ def test_step_shapes_of_the_cascade_fields_are_checked():
     base = dict(input_ids=jnp.zeros(d, jnp.int32), positions=jnp.zeros(d, jnp.int32), slots=jnp.zeros(d, jnp.int32),
                 block_tables=jnp.zeros((d, 4), jnp.int32), prompt_tokens=jnp.zeros((0, 1), jnp.int32),
                 logit_index=jnp.arange(d, dtype=jnp.int32), num_decode=d)
+    assert cascade_lines(d, 4) == 2 and cascade_lines(d, 16) == 2 and cascade_lines(9, 16) == 3
+    assert cascade_lines(d, 2) == 4  # lines of 2 rows: as many as it takes to put every row on one
     ok = PagedStep(**base, attention=AttentionConfig(PAGE, cascade_group=4),
-                   shared_tables=jnp.zeros((2, 4), jnp.int32), shared_lengths=jnp.zeros(d, jnp.int32))
+                   shared_tables=jnp.zeros((2, 4), jnp.int32), shared_rows=jnp.full((2, 4), d, jnp.int32),
+                   shared_lengths=jnp.zeros(d, jnp.int32))
     ok.check()
-    with pytest.raises(ValueError, match="one line per group of 4"):
+    with pytest.raises(ValueError, match=r"cascade_lines\(8, 4\) lines"):
         dataclasses.replace(ok, shared_tables=jnp.zeros((3, 4), jnp.int32)).check()
+    with pytest.raises(ValueError, match="shared_rows has shape"):
+        dataclasses.replace(ok, shared_rows=jnp.full((2, 5), d, jnp.int32)).check()
+    with pytest.raises(ValueError, match="shared_rows must be int32"):
+        dataclasses.replace(ok, shared_rows=jnp.full((2, 4), d, jnp.int16)).check()
     with pytest.raises(ValueError, match="shared_lengths has shape"):
         dataclasses.replace(ok, shared_lengths=jnp.zeros(d - 1, jnp.int32)).check()
     with pytest.raises(ValueError, match="come together"):
         dataclasses.replace(ok, shared_lengths=None).check()
+    with pytest.raises(ValueError, match="come together"):
+        dataclasses.replace(ok, shared_rows=None).check()
     with pytest.raises(ValueError, match="cascade_group is 0"):
         dataclasses.replace(ok, attention=AttentionConfig(PAGE)).check()
     with pytest.raises(ValueError, match="cascade_group"):
@@ -172,10 +187,22 @@ def _request(pages, computed, page=16):
     return r
 
 
-def test_the_host_groups_sharers_and_finds_their_common_full_pages():
-    """Rows are ordered so sharers sit together and start a group where rows that share nothing can
-    fill the one before; a group shares the longest run of full pages its most common first page's
-    rows all hold; a page being written is never shared."""
+def _lines(plan, rows):
+    """The plan as {line: (its rows as objects in line order, its pages)} for the lines in use."""
+    used = {}
+    for c, members in enumerate(plan.rows.tolist()):
+        members = [i for i in members if i < len(rows)]
+        if members:
+            pages = plan.tables[c]
+            used[c] = ([rows[i] for i in members], pages[pages > 0].tolist())
+    return used
+
+
+def test_the_host_puts_sharers_on_lines_with_their_common_full_pages():
+    """Rows whose full pages start alike go on one line wherever they sit in the step, sharing the
+    longest run of full pages they all hold; a page being written is never shared; rows that share
+    under min_tokens, or nothing, or have no full page, stay off every line; each row is on at most
+    one line, and its shared length is its line's pages."""
     page = 16
     a = [_request([7, 8, 9, 10, 11 + i], 4 * page + 3) for i in range(3)]     # 4 full pages shared
     b = [_request([20, 21, 30 + i, 40 + i], 3 * page) for i in range(2)]      # share 2, then diverge
@@ -183,23 +210,54 @@ def test_the_host_groups_sharers_and_finds_their_common_full_pages():
     young = _request([7, 60], 10)                                             # no full page yet
     short = [_request([70, 71], page + 5), _request([70, 72], page + 5)]       # 1 shared page: under 64 tokens
     rows = [b[0], a[0], lone, a[1], young, b[1], a[2]] + short
-    order, tables, lengths = shared_prefixes(rows, group=4, page_size=page, table_width=6)
-    assert sorted(order) == list(range(len(rows)))
-    placed = [rows[i] for i in order]
-    assert placed[:3] == [a[0], a[1], a[2]]  # the largest run first
-    by_row = {id(r): int(n) for r, n in zip(placed, lengths)}
-    assert [by_row[id(r)] for r in a] == [4 * page] * 3
-    assert by_row[id(lone)] == by_row[id(young)] == 0
-    assert [by_row[id(r)] for r in short] == [0, 0]
-    assert tables[0, :4].tolist() == [7, 8, 9, 10] and tables[0, 4:].tolist() == [0, 0]
-    # b's rows (2 shared pages = 32 tokens, under the 64-token floor) share nothing
-    assert [by_row[id(r)] for r in b] == [0, 0]
-    order, tables, lengths = shared_prefixes(rows, group=4, page_size=page, table_width=6, min_tokens=32)
-    placed = [rows[i] for i in order]
-    by_row = {id(r): int(n) for r, n in zip(placed, lengths)}
-    assert [by_row[id(r)] for r in b] == [2 * page] * 2
-    assert placed[4:6] == b  # a filler completed a's group, so b's run starts the next one
-    assert tables[1, :2].tolist() == [20, 21] and tables[1, 2:].tolist() == [0] * 4
+    plan = shared_prefixes(rows, group=4, page_size=page, table_width=6, lines=3, pad=12)
+    assert plan.tables.shape == (3, 6) and plan.rows.shape == (3, 4) and plan.lengths.shape == (len(rows),)
+    lines = _lines(plan, rows)
+    assert len(lines) == 1
+    (members, pages), = lines.values()
+    assert sorted(map(id, members)) == sorted(map(id, a)) and pages == [7, 8, 9, 10]
+    assert set(plan.rows.ravel().tolist()) == {1, 3, 6, 12}  # a's places in the step, then padding
+    assert plan.lengths.tolist() == [0, 4 * page, 0, 4 * page, 0, 0, 4 * page, 0, 0]
+    assert plan.rows_sharing == 3
+    # with a 32-token floor b's rows (2 shared pages) share too; a saves more, so it takes line 0
+    plan = shared_prefixes(rows, group=4, page_size=page, table_width=6, lines=3, pad=12, min_tokens=32)
+    lines = _lines(plan, rows)
+    assert [sorted(map(id, m)) for m, _ in lines.values()] == [sorted(map(id, a)), sorted(map(id, b))]
+    assert [p for _, p in lines.values()] == [[7, 8, 9, 10], [20, 21]]
+    assert plan.lengths[[0, 5]].tolist() == [2 * page] * 2
+    # one line only: the run that saves the most page reads keeps it
+    plan = shared_prefixes(rows, group=4, page_size=page, table_width=6, lines=1, pad=12, min_tokens=32)
+    assert [p for _, p in _lines(plan, rows).values()] == [[7, 8, 9, 10]] and plan.rows_sharing == 3
+
+
+def test_a_run_longer_than_a_line_is_cut_into_even_lines_of_neighbours():
+    """Nine rows of one system prompt (3 pages) whose turns then differ: lines of at most 4 rows, cut
+    4 + 3 + 2 -> 3 + 3 + 3, and rows that share a longer prefix (the same 4th page) sit on one line
+    and share it."""
+    page = 16
+    rows = [_request([1, 2, 3, 10 + i % 3, 50 + i], 5 * page + 1) for i in range(9)]
+    plan = shared_prefixes(rows, group=4, page_size=page, table_width=6, lines=4, pad=16)
+    lines = _lines(plan, rows)
+    assert sorted(len(m) for m, _ in lines.values()) == [3, 3, 3]
+    for members, pages in lines.values():
+        fourth = {r.pages[3] for r in members}
+        assert len(fourth) == 1 and pages == [1, 2, 3, fourth.pop()]
+    assert plan.rows_sharing == 9 and set(plan.lengths.tolist()) == {4 * page}
+
+
+def test_every_sample_of_each_prompt_shares_its_prompt():
+    """n = 8 samples of each of 16 prompts (128 rows, as in RL rollouts): with lines of 16 rows, each
+    prompt's samples get a line of their own, so every row reads its prompt once per line (not half
+    of them, as groups of consecutive rows that must share one prefix gave)."""
+    page = 16
+    rows = [_request([1000 * p + j + 1 for j in range(32)] + [90000 + 8 * p + s], 32 * page + 3)
+            for p in range(16) for s in range(8)]
+    order = np.random.default_rng(0).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    plan = shared_prefixes(rows, group=16, page_size=page, table_width=40, lines=cascade_lines(128, 16), pad=128)
+    assert plan.rows_sharing == 128
+    for members, pages in _lines(plan, rows).values():
+        assert len(members) == 8 and pages == members[0].pages[:32]
 
 
 @pytest.fixture(scope="module")
@@ -260,10 +318,10 @@ def _gpu_kernels():
 @pytest.mark.parametrize("pool", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("decode", ["kernel", "fused_kernel"])
 def test_cascade_kernels_equal_the_float64_reference(pool, decode):
-    """On CUDA: the prefill kernel's log-sum-exp variant over each group's shared pages, merged with
+    """On CUDA: the prefill kernel's log-sum-exp variant over each line's shared pages, merged with
     the decode kernel over each row's own pages, equals float64 attention over each whole table
-    (bf16 compute: within bf16 rounding), for 40 decode rows (padded to 64) in groups of 16 where
-    30 rows share 20 pages (two groups wholly, one in part) and 10 share nothing. Outputs start
+    (bf16 compute: within bf16 rounding), for 40 decode rows (padded to 64) where 30 rows share 20
+    pages on 3 lines of 10 scattered rows (13 lines unused) and 10 share nothing. Outputs start
     as NaN-poisoned buffers in the kernels' own tests; here a row the merge missed would be 0 or NaN."""
     page, heads, kv, hd = 16, 8, 2, 64
     rng = np.random.default_rng(7)
@@ -287,8 +345,13 @@ def test_cascade_kernels_equal_the_float64_reference(pool, decode):
     pos[:40] = positions
     shared = np.zeros(d, np.int32)
     shared[:30] = 20 * page
-    shared_tables = np.zeros((d // group, width), np.int32)
-    shared_tables[:2, :20] = common
+    # lines: rows 0-29 are sharers, cut into 3 lines of 10 in a scattered order (as a host plan
+    # places them: anywhere in the step), the other lines unused
+    lines = cascade_lines(d, group)
+    shared_tables = np.zeros((lines, width), np.int32)
+    shared_tables[:3, :20] = common
+    shared_rows = np.full((lines, group), d, np.int32)
+    shared_rows[:3, :10] = np.random.default_rng(8).permutation(30).reshape(3, 10)
     q = rng.standard_normal((d, heads, hd)).astype(np.float32)
     slots = np.zeros(d, np.int32)
     slots[:40] = [t[p // page] * page + p % page for t, p in zip(tables, positions)]
@@ -297,7 +360,8 @@ def test_cascade_kernels_equal_the_float64_reference(pool, decode):
     config = AttentionConfig(page, decode=decode, prefill="kernel", cascade_group=group)
     step = PagedStep(jnp.zeros(d, jnp.int32), jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(block),
                      jnp.zeros((0, 1), jnp.int32), jnp.arange(d, dtype=jnp.int32), d, config,
-                     shared_tables=jnp.asarray(shared_tables), shared_lengths=jnp.asarray(shared))
+                     shared_tables=jnp.asarray(shared_tables), shared_rows=jnp.asarray(shared_rows),
+                     shared_lengths=jnp.asarray(shared))
     step.check()
 
     def run(step):
@@ -313,5 +377,5 @@ def test_cascade_kernels_equal_the_float64_reference(pool, decode):
     got = run(step)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[:40], want, atol=2.5e-2, rtol=2e-2)
-    plain = run(dataclasses.replace(step, shared_tables=None, shared_lengths=None))
+    plain = run(dataclasses.replace(step, shared_tables=None, shared_rows=None, shared_lengths=None))
     np.testing.assert_allclose(got[:40], plain[:40], atol=2.5e-2, rtol=2e-2)

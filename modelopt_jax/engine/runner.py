@@ -18,7 +18,7 @@ import numpy as np
 from modelopt_jax.engine.buckets import (MAX_PROMPT_SEQS, MIN_DECODE_ROWS, MIN_PROMPT_TOKENS, PROMPT_SEQ_TOKENS,
                                          bucket, decode_buckets, token_bucket, token_buckets)
 from modelopt_jax.engine.request import Request
-from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, StepShape
+from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, StepShape, cascade_lines
 from modelopt_jax.sampling import sample, sampler_for, token_logprobs
 
 
@@ -28,64 +28,84 @@ from modelopt_jax.sampling import sample, sampler_for, token_logprobs
 PROMPT_TILE = 64
 
 
-# Cascade attention (AttentionConfig.cascade_group): a group's rows share a prefix only when it is at
+# Cascade attention (AttentionConfig.cascade_group): rows share a prefix on a line only when it is at
 # least this many tokens (shorter ones save less than the merge costs).
 MIN_SHARED_TOKENS = 64
 
 
-def shared_prefixes(decode: list[Request], group: int, page_size: int, table_width: int,
-                    min_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Cascade attention's plan for a step's decode rows: ``(order, shared_tables, shared_lengths)``.
+@dataclasses.dataclass(frozen=True)
+class CascadePlan:
+    """Which decode rows of a step read which shared prefix once per line (PagedStep's cascade fields)."""
 
-    ``order``: the rows' order in the step, sharers side by side: rows with the same first full page
-    (one prompt's n samples, or requests behind one system prompt) form runs, placed largest first,
-    each starting a group where rows that share nothing can fill the group before it. Rows
-    ``c*group .. c*group+group-1`` of that order form group c; the rows of the group whose first
-    page is the group's most common one share the longest run of full pages they all start with
-    (pages shared by page id hold equal tokens: the prefix cache shares only full pages, and nobody
-    writes them). ``shared_tables`` [groups, table_width] holds each group's pages, ``shared_lengths``
-    [rows] each row's tokens of them (0: the row reads everything itself)."""
+    tables: np.ndarray    # [lines, table_width] int32: each line's shared pages (zeros: an unused line)
+    rows: np.ndarray      # [lines, group] int32: the decode rows on each line (indices into the step's decode
+                          # rows); the pad value fills the rest
+    lengths: np.ndarray   # [decode rows] int32: tokens of its line's prefix each row reads there (0: on no line)
+
+    @property
+    def rows_sharing(self) -> int:
+        return int(np.count_nonzero(self.lengths))
+
+
+def _common_pages(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading pages ``a`` and ``b`` have in common, at most ``limit`` (by slice compares:
+    binary search, so a long common prefix costs a few C-level comparisons, not a Python loop)."""
+    if a[:limit] == b[:limit]:
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def shared_prefixes(decode: list[Request], group: int, page_size: int, table_width: int, lines: int, pad: int,
+                    min_tokens: int = MIN_SHARED_TOKENS) -> CascadePlan:
+    """Cascade attention's plan for a step's decode rows, at most ``lines`` lines of ``group`` rows.
+
+    Rows whose full pages (those before the fed token) start with the same page are candidates to
+    share: one prompt's n samples, requests behind one system prompt, the turns of one chat. Each
+    such run is sorted by its rows' pages (rows with the longest prefixes in common become
+    neighbours) and cut into near-equal chunks of at most ``group`` rows; a chunk shares the full
+    pages all its rows start with (pages shared by page id hold equal tokens: the prefix cache
+    shares only full pages, and nobody writes them). Where chunks outnumber ``lines``, those that
+    save the most page reads ((rows - 1) x pages) get them. Rows keep their places in the step.
+    ``pad`` fills the unused entries of ``rows`` (the step's padded decode-row count)."""
     min_pages = max(1, -(-min_tokens // page_size))
     full = [r.computed // page_size if not r.dropped else 0 for r in decode]  # pages before the fed token
     runs: dict[int, list[int]] = {}
     for i, r in enumerate(decode):
         if full[i] >= min_pages:
             runs.setdefault(r.pages[0], []).append(i)
-    fillers = [i for i, r in enumerate(decode) if full[i] < min_pages or len(runs[r.pages[0]]) < 2]
-    order: list[int] = []
-    for run in sorted((run for run in runs.values() if len(run) >= 2), key=lambda run: (-len(run), run[0])):
-        free = -len(order) % group
-        if 0 < free < len(run) and len(fillers) >= free:  # start the run on a group boundary
-            order += fillers[:free]
-            fillers = fillers[free:]
-        order += run
-    order += fillers
-    place = {i: k for k, i in enumerate(order)}
-    groups = -(-len(decode) // group)
-    tables = np.zeros((groups, table_width), np.int32)
+    chunks = []  # (pages saved, rows, shared pages)
+    for run in runs.values():
+        if len(run) < 2:
+            continue
+        run.sort(key=lambda i: decode[i].pages[:full[i]])
+        count = -(-len(run) // group)
+        size, extra = divmod(len(run), count)
+        at = 0
+        for c in range(count):
+            chunk = run[at:at + size + (c < extra)]
+            at += len(chunk)
+            if len(chunk) < 2:
+                continue
+            # sorted: the chunk's common prefix is its first and last rows' common prefix
+            common = _common_pages(decode[chunk[0]].pages, decode[chunk[-1]].pages, min(full[i] for i in chunk))
+            if common >= min_pages:
+                chunks.append(((len(chunk) - 1) * common, chunk, common))
+    chunks.sort(key=lambda item: -item[0])
+    tables = np.zeros((lines, table_width), np.int32)
+    rows = np.full((lines, group), pad, np.int32)
     lengths = np.zeros(len(decode), np.int32)
-    for c in range(groups):
-        rows = [i for i in order[c * group:(c + 1) * group] if full[i] >= min_pages]
-        if len(rows) < 2:
-            continue
-        firsts: dict[int, int] = {}
-        for i in rows:
-            firsts[decode[i].pages[0]] = firsts.get(decode[i].pages[0], 0) + 1
-        first, count = max(firsts.items(), key=lambda item: item[1])
-        if count < 2:
-            continue
-        members = [i for i in rows if decode[i].pages[0] == first]
-        reference = decode[members[0]].pages
-        run = min(full[i] for i in members)
-        for i in members[1:]:
-            pages = decode[i].pages
-            if pages[:run] != reference[:run]:
-                run = next(j for j in range(run) if pages[j] != reference[j])
-        if run < min_pages:
-            continue
-        tables[c, :run] = reference[:run]
-        lengths[[place[i] for i in members]] = run * page_size
-    return order, tables, lengths
+    for line, (_, chunk, common) in enumerate(chunks[:lines]):
+        tables[line, :common] = decode[chunk[0]].pages[:common]
+        rows[line, :len(chunk)] = chunk
+        lengths[chunk] = common * page_size
+    return CascadePlan(tables, rows, lengths)
 
 
 def _padded(values, size: int, fill=0, dtype=np.int32) -> np.ndarray:
@@ -277,7 +297,7 @@ class Runner:
         self._step = jax.jit(self._step_fn, static_argnums=(0,), donate_argnums=(2,))
         self.shapes: set[StepProgram] = set()  # programs run so far
         self.inline_compiles = 0  # programs a launch compiled in line (not ahead, not in the background)
-        self.shared_prefix_rows = 0  # decode rows that read a shared prefix once per group (cascade attention)
+        self.shared_prefix_rows = 0  # decode rows that read a shared prefix once per line (cascade attention)
         # Programs compiled off the engine's thread (see ready, precompile); one background compile at a time.
         self._compiled: dict[StepProgram, object] = {}
         self._failed: set[StepProgram] = set()  # background compiles that raised (launch compiles them in line)
@@ -442,16 +462,11 @@ class Runner:
         decode = [(r, n) for r, n in batch if n == 1]
         prompt = [(r, n) for r, n in batch if n > 1]
         t, nd, tile = shape.tokens, shape.decode_rows, shape.prompt_width
-        shared_tables = shared_lengths = None
+        plan = None
         if decode and self.attention.cascade_group:
-            order, shared_tables, lengths = shared_prefixes([r for r, _ in decode], self.attention.cascade_group,
-                                                            page, shape.table_width)
-            decode = [decode[i] for i in order]
-            groups = -(-nd // self.attention.cascade_group)
-            shared_tables = np.concatenate([shared_tables, np.zeros((groups - len(shared_tables), shape.table_width),
-                                                                    np.int32)])
-            shared_lengths = _padded(lengths, nd)
-            self.shared_prefix_rows += int(np.count_nonzero(lengths))
+            plan = shared_prefixes([r for r, _ in decode], self.attention.cascade_group, page, shape.table_width,
+                                   cascade_lines(nd, self.attention.cascade_group), pad=nd)
+            self.shared_prefix_rows += plan.rows_sharing
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
         tok_ids, tok_pos, tok_slots, tok_from_last = [], [], [], []
@@ -505,7 +520,9 @@ class Runner:
                          slots=_padded(tok_slots, t), block_tables=tables, prompt_tokens=prompt_tokens,
                          logit_index=logit_index, num_decode=nd, attention=self.attention,
                          first_pages=None if self.attention.sliding_window is None else first_pages,
-                         shared_tables=shared_tables, shared_lengths=shared_lengths)
+                         shared_tables=None if plan is None else plan.tables,
+                         shared_rows=None if plan is None else plan.rows,
+                         shared_lengths=None if plan is None else _padded(plan.lengths, nd))
         ordered = [r for r, _ in decode] + [r for r, _ in prompt]
         params = [r.params for r in ordered]
         s = shape.sampled_rows

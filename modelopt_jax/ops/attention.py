@@ -200,18 +200,17 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
 def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: bool, k_scale, v_scale, page_size,
                     dtype):
     """Decode rows' attention as two parts merged by their log-sum-exps (cascade attention): each
-    group's shared prefix (``step.shared_tables``), read once per group, all its rows' queries
-    scored against each key as it arrives (the prefill kernel, or XLA), and each row's own pages
-    after it (the decode kernel over its table shifted past the prefix, or XLA). Exact in real
+    line's shared prefix (``step.shared_tables``), read once per line, the queries of the rows on it
+    (``step.shared_rows``) scored against each key as it arrives (the prefill kernel, or XLA), and
+    each row's own pages after it (the decode kernel over its table shifted past the prefix, or XLA). Exact in real
     arithmetic: softmax over the union of two key sets is the two softmaxes weighted by their
     denominators. ``fused``: the decode kernel also stores the step's keys/values (``k_new``,
     ``v_new``). Returns ``(out [d, H * D] in dtype, k_pool, v_pool)``."""
     config, d = step.attention, step.num_decode
     _, h, hd = q.shape
-    group = config.cascade_group
     shared = step.shared_lengths                                           # [d]
     width = step.block_tables.shape[1]
-    # each row's own pages: its table shifted past its group's shared pages; its length past them too
+    # each row's own pages: its table shifted past its line's shared pages; its length past them too
     index = jnp.arange(width, dtype=jnp.int32)[None] + (shared // page_size)[:, None]
     tables = step.block_tables[:d]
     own_tables = jnp.where(index < width, jnp.take_along_axis(tables, jnp.minimum(index, width - 1), axis=1), 0)
@@ -245,18 +244,18 @@ def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: 
             own_out, own_lse = jax.lax.platform_dependent(
                 *operands, cuda=kernel_own,
                 default=lambda q, k_pool, v_pool, tables, positions: xla_own(q, k_pool, v_pool, tables, positions + 1))
-    # the shared prefixes: group c's rows are decode rows c*K .. c*K+K-1 (d marks padding)
-    groups = step.shared_tables.shape[0]
-    group_rows = jnp.arange(groups * group, dtype=jnp.int32)
-    row_tokens = jnp.where(group_rows < d, group_rows, d).reshape(groups, group)
+    # the shared prefixes: line c's rows are the decode rows step.shared_rows[c] (d marks padding); each
+    # line is one row of the prefill kernel, its tokens those decode rows at position shared - 1
+    def xla_shared(q, k_pool, v_pool, shared_tables, shared, shared_rows):
+        lines, width = shared_rows.shape
+        line_of = jnp.zeros(d + 1, jnp.int32).at[shared_rows.reshape(-1)].set(
+            jnp.repeat(jnp.arange(lines, dtype=jnp.int32), width), mode="drop")[:d]  # padding lands on d
+        return xla_own(q, k_pool, v_pool, shared_tables[line_of], shared)
 
-    def xla_shared(q, k_pool, v_pool, shared_tables, shared):
-        return xla_own(q, k_pool, v_pool, shared_tables[jnp.arange(d) // group], shared)
+    def kernel_shared(q, k_pool, v_pool, shared_tables, shared, shared_rows):
+        return _prefill_kernel_lse(q, k_pool, v_pool, shared_tables, shared_rows, shared - 1, **args)
 
-    def kernel_shared(q, k_pool, v_pool, shared_tables, shared):
-        return _prefill_kernel_lse(q, k_pool, v_pool, shared_tables, row_tokens, shared - 1, **args)
-
-    operands = (q, k_pool, v_pool, step.shared_tables, shared)
+    operands = (q, k_pool, v_pool, step.shared_tables, shared, step.shared_rows)
     if config.prefill == "xla":
         pre_out, pre_lse = xla_shared(*operands)
     else:

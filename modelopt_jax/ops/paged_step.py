@@ -33,6 +33,17 @@ KERNEL_COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BACKENDS = ("fused_kernel", "kernel", "xla")
 PREFILL_BACKENDS = ("kernel", "xla")
 DECODE_VARIANTS = ("mma", "staged")
+# Cascade attention: a step carries one shared-prefix line per this many decode rows (at most), so
+# every run of this many sharers or more (the n = 4..8 samples of one prompt) gets a line of its own,
+# and shorter runs get the lines left over. A line's CTAs exit at once when no row uses it.
+CASCADE_ROWS_PER_LINE = 4
+
+
+def cascade_lines(num_decode: int, group: int) -> int:
+    """Shared-prefix lines (``PagedStep.shared_tables`` rows) of a step of ``num_decode`` decode rows
+    whose lines hold at most ``group`` rows each: enough to cover every decode row when runs of
+    sharers are CASCADE_ROWS_PER_LINE long (or ``group``, if that is smaller)."""
+    return -(-num_decode // max(1, min(group, CASCADE_ROWS_PER_LINE)))
 
 
 def tensor_cores_serve(pool_dtype, dtype) -> bool:
@@ -70,9 +81,10 @@ class AttentionConfig:
     decode_splits: int | None = None  # CTAs per (token, kv head); None: kernel_splits decides per step
     sliding_window: int | None = None  # a token attends keys less than this many positions back (None: all);
                                       # the CUDA kernels have no window: such a model takes the XLA paths
-    cascade_group: int = 0            # shared-prefix (cascade) attention for decode rows: consecutive decode
-                                      # rows form groups of this many, and the rows of a group that share a
-                                      # prefix of full pages read it once per group (0: off; see PagedStep)
+    cascade_group: int = 0            # shared-prefix (cascade) attention for decode rows: up to this many
+                                      # decode rows that share a prefix of full pages read it once, as one
+                                      # line of the prefill kernel (64 query rows: 64 // GQA group rows;
+                                      # 0: off; see PagedStep.shared_rows)
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -150,11 +162,13 @@ class PagedStep:
     first_pages: jax.Array | None = None  # [R] which page of its sequence each row's block_tables[r, 0] is:
                                   # a sliding-window model's rows drop the pages that fell out of the window
                                   # (neither kept nor read). None: 0 for every row (the CUDA kernels' only case)
-    shared_tables: jax.Array | None = None  # [C, W] cascade attention (attention.cascade_group = K > 0): group
-                                  # c's shared prefix pages, for decode rows c*K .. c*K+K-1; C = ceil(num_decode / K)
-    shared_lengths: jax.Array | None = None  # [num_decode] tokens of its group's shared prefix each decode row reads
-                                  # through shared_tables (a multiple of page_size, below its position; 0: none),
-                                  # its own pages after them through block_tables. None: no cascade in this step
+    shared_tables: jax.Array | None = None  # [C, W] cascade attention (attention.cascade_group = K > 0): line
+                                  # c's shared prefix pages; C = cascade_lines(num_decode, K)
+    shared_rows: jax.Array | None = None  # [C, K] the decode rows (< num_decode) that read line c's pages, each
+                                  # row on at most one line; num_decode pads (a line no row uses: all padding)
+    shared_lengths: jax.Array | None = None  # [num_decode] tokens of its line's shared prefix each decode row reads
+                                  # through shared_tables (a multiple of page_size, below its position; 0: on
+                                  # no line), its own pages after them through block_tables. None: no cascade
 
     @property
     def num_tokens(self) -> int:
@@ -188,22 +202,28 @@ class PagedStep:
                              f"num_decode={d}: one entry per sampled row, decode rows first")
         if self.first_pages is not None and self.first_pages.shape != (r,):
             raise ValueError(f"PagedStep.first_pages has shape {self.first_pages.shape}, expected ({r},)")
-        if (self.shared_tables is None) != (self.shared_lengths is None):
-            raise ValueError("PagedStep.shared_tables and shared_lengths come together (cascade attention) or not at all")
+        cascade = (self.shared_tables, self.shared_rows, self.shared_lengths)
+        if any(x is None for x in cascade) and any(x is not None for x in cascade):
+            raise ValueError("PagedStep.shared_tables, shared_rows and shared_lengths come together (cascade "
+                             "attention) or not at all")
         if self.shared_lengths is not None:
             k = self.attention.cascade_group
             if not k:
                 raise ValueError("PagedStep.shared_tables given but attention.cascade_group is 0")
             if self.shared_lengths.shape != (d,):
                 raise ValueError(f"PagedStep.shared_lengths has shape {self.shared_lengths.shape}, expected ({d},)")
-            if self.shared_tables.ndim != 2 or self.shared_tables.shape[0] != -(-d // k):
+            c = cascade_lines(d, k)
+            if self.shared_tables.ndim != 2 or self.shared_tables.shape[0] != c:
                 raise ValueError(f"PagedStep.shared_tables has shape {self.shared_tables.shape}, expected "
-                                 f"({-(-d // k)}, width): one line per group of {k} decode rows")
+                                 f"({c}, width): cascade_lines({d}, {k}) lines")
+            if self.shared_rows.shape != (c, k):
+                raise ValueError(f"PagedStep.shared_rows has shape {self.shared_rows.shape}, expected ({c}, {k}): "
+                                 f"each line's decode rows, at most cascade_group={k}")
         if self.first_pages is not None and self.attention.sliding_window is None:
             raise ValueError("PagedStep.first_pages is for sliding-window models (their rows drop early pages); "
                              "this step's attention has no window")
         for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                     "first_pages", "shared_tables", "shared_lengths"):
+                     "first_pages", "shared_tables", "shared_rows", "shared_lengths"):
             if getattr(self, name) is None:
                 continue
             dtype = getattr(self, name).dtype
@@ -213,7 +233,7 @@ class PagedStep:
 
 jax.tree_util.register_dataclass(
     PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                            "first_pages", "shared_tables", "shared_lengths"],
+                            "first_pages", "shared_tables", "shared_rows", "shared_lengths"],
     meta_fields=["num_decode", "attention"])
 
 
@@ -250,7 +270,8 @@ class StepShape:
         cascade = bool(k and d)
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
                          i32(self.sampled_rows), d, attention, None if attention.sliding_window is None else i32(r),
-                         i32(-(-d // k), self.table_width) if cascade else None, i32(d) if cascade else None)
+                         i32(cascade_lines(d, k), self.table_width) if cascade else None,
+                         i32(cascade_lines(d, k), k) if cascade else None, i32(d) if cascade else None)
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
