@@ -8,7 +8,7 @@
 #                             [prefill-tests] [attn-prefill] [grouped-tests] [grouped-bench ARGS...]
 #                             [accuracy] [dispatch [--shapes S] [--ms M]]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
-#                                    [noprefix] [nocascade] [engine K=V[,K=V]]...]
+#                                    [noprefix] [nocascade] [engine [W:]K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
@@ -131,7 +131,7 @@ print('memcheck sample done')
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
       while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ]; }; do
-        if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine K=V[,K=V]: (b) again
+        if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine [W:]K=V[,K=V]: W (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention decode_variant=staged)
         [ "$1" = noprefill ] && extra+=(--attention prefill=xla); [ "$1" = nofusedwrite ] && extra+=(--attention decode=kernel)

@@ -337,32 +337,36 @@ def parse_settings(text: str) -> dict:
     return {k.strip(): value(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv)}
 
 
-def run_engine_variant(llm, variant: str, scale: float = 1.0) -> dict:
-    """(b) under another EngineConfig (``k=v,...``), same weights: the old engine's pool is freed
-    first, then the workload runs twice (the second run is reported)."""
+def run_engine_variant(llm, variant: str, scale: float = 1.0) -> tuple[str, dict]:
+    """A workload under another EngineConfig (``[W:]k=v,...``; W defaults to (b)), same weights: the
+    old engine's pool is freed first, then the workload runs twice (the second run is reported).
+    Returns the run's report key, ``W[k=v,...]``, and its stats."""
     import dataclasses
     import gc
 
     from modelopt_jax.engine import Engine
 
-    config = dataclasses.replace(llm.engine.config, **parse_settings(variant))
+    name, _, settings = variant.rpartition(":")
+    name = name or "b"
+    config = dataclasses.replace(llm.engine.config, **parse_settings(settings))
     attention = llm.engine.runner.attention
     llm.engine = None
     gc.collect()
     llm.engine = Engine(llm.model, max_model_len=llm.max_model_len, config=config,
                         pad_id=llm.model.config.pad_token_id or 0, attention=attention)
-    prompts, params = workload("b", llm.model.config.vocab_size, scale)
+    prompts, params = workload(name, llm.model.config.vocab_size, scale)
     t = time.perf_counter()
     run(llm, prompts, params)
     first = time.perf_counter() - t
     _, st = run(llm, prompts, params)
     ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
-    print(f"(b) [{variant}]: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
+    print(f"({name}) [{settings}]: {st['generated_tokens']} tokens in {st['total_s']:.2f} s = "
           f"{st['generated_tokens_per_s']:.0f} generated tok/s (first run incl. compile {first:.1f} s); "
           f"{st['decode_steps']} decode steps at {ms:.2f} ms, {st['prefill_steps']} prefill steps "
           f"{st['prefill_s']:.2f} s; preemptions {st['preemptions']}, max running {st['max_running']}; "
           f"{len(llm.engine.runner.shapes)} step shapes compiled", flush=True)
-    return {**st, "first_run_s": first, "ms_per_decode_step": ms, "programs": len(llm.engine.runner.shapes)}
+    return f"{name}[{settings}]", {**st, "first_run_s": first, "ms_per_decode_step": ms,
+                                   "programs": len(llm.engine.runner.shapes)}
 
 
 def main():
@@ -387,8 +391,9 @@ def main():
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
-                    help="after the workloads, run (b) again under these EngineConfig changes (repeatable), "
-                         "e.g. max_num_seqs=512,max_num_batched_tokens=4096")
+                    help="after the workloads, run a workload (W, default b) again under these EngineConfig "
+                         "changes (repeatable), e.g. max_num_seqs=512,max_num_batched_tokens=4096 or "
+                         "f:max_num_seqs=1024")
     ap.add_argument("--trace-step", default=None, metavar="WORKLOADS",
                     help="one decode step of each workload in launch order (kernels, durations, gaps)")
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
@@ -496,7 +501,8 @@ def main():
               + (f"; {st['generated_tokens_per_s'] / static['generated_tokens_per_s']:.2f}x the static dense loop"
                  if name == "a" and static else ""), flush=True)
     for variant in args.engine:
-        report["runs"][f"b[{variant}]"] = run_engine_variant(llm, variant, args.scale)
+        key, stats = run_engine_variant(llm, variant, args.scale)
+        report["runs"][key] = stats
     for name in (args.profile.split(",") if args.profile else []):
         report[f"profile_{name}"] = profile_workload(llm, model.config.vocab_size, name)
     for name in (args.trace_step.split(",") if args.trace_step else []):
