@@ -192,12 +192,20 @@ def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, t
     from timing import kernel_times
 
     prompts, _ = workload(workload_name, vocab)
+
+    def fresh(k: int):
+        """The prompts with every id moved by ``k`` (same lengths): prefix caching, on by default,
+        would otherwise serve a traced run's prompts from the warm-up run's pages and the prompt
+        table would hold no prompt work."""
+        return [[10 + (t - 10 + 7919 * k) % (vocab - 10) for t in ids] for ids in prompts]
+
     tables, walls = [], []
-    for n in (2, new):
+    for i, n in enumerate((2, new)):
         p = sampling_params(max_tokens=n, ignore_eos=True)
-        run(llm, prompts, p)  # compiled and warm
+        run(llm, fresh(2 * i + 1), p)  # compiled and warm
+        traced = fresh(2 * i + 2)
         holder = {}
-        tables.append(kernel_times(lambda: holder.update(stats=run(llm, prompts, p)[1])))
+        tables.append(kernel_times(lambda: holder.update(stats=run(llm, traced, p)[1])))
         walls.append(holder["stats"])
     steps = walls[1]["decode_steps"] - walls[0]["decode_steps"]
     names = set(tables[0]) | set(tables[1])
@@ -451,7 +459,7 @@ def main():
               "engine": dataclasses.asdict(llm.engine.config), "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static, "scale": args.scale,
               "prefix_caching": not args.no_prefix_caching}
-    for name in args.workloads.split(","):
+    for name in [w for w in args.workloads.split(",") if w]:  # "" : only --engine / --profile runs
         if name == "c":
             for context in (1024, 4096):
                 prompt, (p,) = workload(f"c{context}", model.config.vocab_size)
