@@ -124,10 +124,17 @@ def test_cascade_attention_generates_what_plain_decode_steps_do(checkpoint):
     (cascade, stats), (plain, plain_stats) = runs[None], runs[0]
     assert stats["shared_prefix_rows"] > 0 and plain_stats["shared_prefix_rows"] == 0
     compared = 0
-    for g, w in zip(cascade, plain):
+    for g, w, p in zip(cascade, plain, params):
         for cg, cw in zip(g.outputs, w.outputs):
             for i, (a, b) in enumerate(zip(cg.token_ids, cw.token_ids)):
-                assert abs(cg.logprobs[i][a] - cw.logprobs[i][b]) < 0.25, (i, cg.logprobs[i], cw.logprobs[i])
+                # the same tokens' log-probs agree in both runs (each dict: the chosen token and the top 2)
+                common = cg.logprobs[i].keys() & cw.logprobs[i].keys()
+                assert common, (i, cg.logprobs[i], cw.logprobs[i])
+                for t in common:
+                    assert abs(cg.logprobs[i][t] - cw.logprobs[i][t]) < 0.25, (i, t, cg.logprobs[i], cw.logprobs[i])
+                if not p.temperature:  # greedy: where the picks first differ they are a near-tie. (A sampled
+                    # pick is a draw from the CDF, which a small shift can move to any token beside it.)
+                    assert abs(cg.logprobs[i][a] - cw.logprobs[i][b]) < 0.25, (i, cg.logprobs[i], cw.logprobs[i])
                 if a != b:
                     break
                 compared += 1
