@@ -55,6 +55,30 @@ def test_fused_page_write_generates_what_scatter_then_attend_does(checkpoint, kv
         assert a[1] == b[1], f"prompt {i}: log-probs differ"
 
 
+def _compare_until_they_part(runs_a, runs_b, params, bound: float = 0.25) -> int:
+    """Walks two runs' completions (``CompletionOutput`` lists, request by request) token by token up
+    to where they first differ, and returns how many tokens agreed. At each position the log-probs
+    of the tokens both runs report (the chosen one and the top 2) agree within ``bound`` (bf16/FP8
+    noise); where a greedy row's picks first differ they are a near-tie (each run's top log-prob within
+    ``bound`` of the other's), so neither chose a token the other found unlikely. A sampled pick is a
+    draw from the CDF, which a small shift can move to any token beside it: only the shared tokens'
+    log-probs are compared there."""
+    compared = 0
+    for a, b, p in zip(runs_a, runs_b, params, strict=True):
+        for ca, cb in zip(a, b, strict=True):
+            for i, (ta, tb) in enumerate(zip(ca.token_ids, cb.token_ids)):
+                common = ca.logprobs[i].keys() & cb.logprobs[i].keys()
+                assert common, (i, ca.logprobs[i], cb.logprobs[i])
+                for t in common:
+                    assert abs(ca.logprobs[i][t] - cb.logprobs[i][t]) < bound, (i, t, ca.logprobs[i], cb.logprobs[i])
+                if not p.temperature:
+                    assert abs(ca.logprobs[i][ta] - cb.logprobs[i][tb]) < bound, (i, ca.logprobs[i], cb.logprobs[i])
+                if ta != tb:
+                    break
+                compared += 1
+    return compared
+
+
 def _mixed_run(checkpoint, split_steps, precompile):
     llm = LLM(checkpoint, max_model_len=1024, kv_cache_bytes=64 << 20, max_num_seqs=16, compilation_cache_dir=None,
               precompile=False)
@@ -82,17 +106,10 @@ def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(check
     assert {p.shape for p in engine.runner.shapes} <= {p.shape for p in table}
     assert stats["mixed_steps"] > 0 and one_stats["mixed_steps"] > 0
     # The synthetic model's logits are nearly flat (top-2 margins mostly under 0.3), so a token may
-    # differ between the runs: where they agree so far each chosen token's log-prob must match to
-    # bf16/FP8 noise, and where they first differ the two picks must be a near-tie (each run's top
-    # log-prob within that noise of the other's), so neither run chose a token the other found unlikely.
-    first_equal = compared = 0
-    for g, w in zip(split, one):
-        first_equal += g.token_ids[:1] == w.token_ids[:1]
-        for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)):
-            assert abs(g.logprobs[i][a] - w.logprobs[i][b]) < 0.25, (i, g.logprobs[i], w.logprobs[i])
-            if a != b:
-                break
-            compared += 1
+    # differ between the runs (greedy rows: a near-tie where they part).
+    first_equal = sum(g.token_ids[:1] == w.token_ids[:1] for g, w in zip(split, one))
+    compared = _compare_until_they_part([g.outputs for g in split], [w.outputs for w in one],
+                                        [SamplingParams()] * len(one))
     print(f"first tokens equal {first_equal}/{len(one)}, tokens compared {compared}")
     assert compared >= len(one)
 
@@ -123,20 +140,6 @@ def test_cascade_attention_generates_what_plain_decode_steps_do(checkpoint):
         runs[group] = (outs, dict(llm.engine.last_stats))
     (cascade, stats), (plain, plain_stats) = runs[None], runs[0]
     assert stats["shared_prefix_rows"] > 0 and plain_stats["shared_prefix_rows"] == 0
-    compared = 0
-    for g, w, p in zip(cascade, plain, params):
-        for cg, cw in zip(g.outputs, w.outputs):
-            for i, (a, b) in enumerate(zip(cg.token_ids, cw.token_ids)):
-                # the same tokens' log-probs agree in both runs (each dict: the chosen token and the top 2)
-                common = cg.logprobs[i].keys() & cw.logprobs[i].keys()
-                assert common, (i, cg.logprobs[i], cw.logprobs[i])
-                for t in common:
-                    assert abs(cg.logprobs[i][t] - cw.logprobs[i][t]) < 0.25, (i, t, cg.logprobs[i], cw.logprobs[i])
-                if not p.temperature:  # greedy: where the picks first differ they are a near-tie. (A sampled
-                    # pick is a draw from the CDF, which a small shift can move to any token beside it.)
-                    assert abs(cg.logprobs[i][a] - cw.logprobs[i][b]) < 0.25, (i, cg.logprobs[i], cw.logprobs[i])
-                if a != b:
-                    break
-                compared += 1
+    compared = _compare_until_they_part([g.outputs for g in cascade], [w.outputs for w in plain], params)
     print(f"cascade rows {stats['shared_prefix_rows']}, tokens compared {compared}")
     assert compared >= len(prompts)
