@@ -40,6 +40,11 @@ COPY_BANDWIDTH = 4.3e12
 PREFILL_CHUNK = 256  # the static peer's prompt positions per prefill call
 PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256),
+           # the same model with ModelOpt's FP8 KV-cache scales (kv_cache_quant_algo FP8), as NVIDIA's published
+           # Llama-3.x FP8 exports have: both engines' kv_cache_dtype="auto" then keep FP8 pages (vLLM 0.26.0
+           # resolves "auto" from the checkpoint's kv_cache_quant_algo), half the KV bytes of llama3-8b
+           "llama3-8b-kv": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=8, vocab_size=128256, kv_cache_fp8=True),
            # Qwen3-30B-A3B's shapes (issue 30's end-to-end benchmark): 128 experts, top-8, every layer sparse
            "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
