@@ -108,16 +108,19 @@ def simulate(args, scheduler, attention, requests, run):
     table_width = -(-args.max_model_len // args.page_size)
     shapes, rows_hist, steps = collections.Counter(), collections.Counter(), collections.Counter()
     real = padded = 0
+    prompt_tokens = collections.Counter()  # tokens of programs with prompt chunks: "run" (padded), "fed" (real)
     cascade = collections.Counter()  # decode rows, rows reading a shared prefix, prefix tokens read (whole / cascade)
     seconds = {"prompt": 0.0, "decode": 0.0}
     while not scheduler.done:
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
-        keys = [step_shape(part, attention, table_width, max_prompt_seqs=args.cap)
-                for part in program_parts(batch, args.split)]
-        for key in keys:
+        for part in program_parts(batch, args.split):
+            key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap)
             shapes[key] += 1
             padded += key.tokens
+            if any(n > 1 for _, n in part):  # a program with prompt chunks: its tokens as run, and as fed
+                prompt_tokens["run"] += key.tokens
+                prompt_tokens["fed"] += sum(n for _, n in part)
         decode = [r for r, n in batch if n == 1]
         if decode and attention.cascade_group:
             nd = bucket(len(decode), MIN_DECODE_ROWS)
@@ -143,7 +146,8 @@ def simulate(args, scheduler, attention, requests, run):
     print(f"workload {args.workload}: {len(requests)} requests, {prompt_steps} prompt steps "
           f"({rows_hist['prompt'] / max(prompt_steps, 1):.1f} rows each), {decode_steps} decode steps "
           f"({rows_hist['decode'] / max(decode_steps, 1):.1f} rows each), preemptions {scheduler.preemptions}; "
-          f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%}")
+          f"{len(shapes)} programs; tokens padded by {padded / real - 1:.1%} (programs with prompt chunks: "
+          f"{prompt_tokens['run'] / max(prompt_tokens['fed'], 1) - 1:.1%} of {prompt_tokens['fed']:,} tokens)")
     if cascade["rows"]:
         print(f"cascade attention (group {attention.cascade_group}): {cascade['sharing'] / cascade['rows']:.1%} of "
               f"decode rows read a shared prefix; decode steps read {cascade['tokens_read'] / cascade['tokens_plain']:.1%} "
