@@ -552,3 +552,34 @@ def test_attention_config_is_resolved_once_and_checked():
         AttentionConfig(16, decode="fast")
     with pytest.raises(ValueError, match="decode_splits=0"):
         AttentionConfig(16, decode_splits=0)
+
+
+def test_an_attention_config_given_by_hand_is_checked_before_any_step(monkeypatch):
+    """``Engine(..., attention=...)`` takes a hand-made AttentionConfig for A/B runs. One the model's
+    devices cannot run is a ConfigError naming it when the engine is built, not a handler error inside
+    the first compiled step: on a GPU, the CUDA kernels for a float32 pool (what ``attention_config``
+    refuses there); anywhere, a sliding window other than the model's."""
+    from types import SimpleNamespace
+
+    from modelopt_jax.engine import Engine, engine as engine_module
+    from modelopt_jax.ops.paged_step import AttentionConfig
+
+    llm = _llm(kv_cache_bytes=4 << 20)
+    model = llm.model
+    import dataclasses
+
+    settings = dict(max_model_len=256, pad_id=llm.engine.runner.pad_id,  # (no start-up compiles: not what is tested)
+                    config=dataclasses.replace(llm.engine.config, precompile_samplers=()))
+    kernels = AttentionConfig(16, decode="fused_kernel", prefill="kernel")
+    llm.engine = None
+    with pytest.raises(ConfigError, match="sliding_window=8 differs"):
+        Engine(model, attention=AttentionConfig(16, sliding_window=8), **settings)
+    # a CPU runs the kernels' CPU handlers for any pool: accepted
+    assert Engine(model, attention=kernels, **settings).attention == kernels
+    # on a GPU (the device stubbed; the model's own resolution still sees no CUDA kernel for this
+    # float32 model here, as on a GPU), the same config is refused with what cannot run it
+    real = engine_module._first_device
+    monkeypatch.setattr(engine_module, "_first_device", lambda m: SimpleNamespace(platform="gpu", device=real(m)))
+    with pytest.raises(ConfigError, match=r"attention=AttentionConfig\(page_size=16, decode='fused_kernel'.*decode="):
+        engine_module.check_attention(model, kernels)
+    engine_module.check_attention(model, AttentionConfig(16))  # the XLA paths run everywhere

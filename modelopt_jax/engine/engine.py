@@ -113,6 +113,25 @@ def pool_bytes(model, config: EngineConfig, max_model_len: int) -> int:
     return min(want, int(config.kv_cache_memory_fraction * host / 4))
 
 
+def check_attention(model, attention: AttentionConfig) -> None:
+    """Refuses, before any step runs, an ``attention`` given by hand that the model's devices cannot
+    run: on a GPU the CUDA kernels serve only the geometries and pool dtypes that
+    ``model.attention_config`` resolves them for (a float32 pool, say), and a step would otherwise fail
+    inside the compiled program with the handler's error. Elsewhere the kernels' CPU handlers serve
+    every pool dtype (tests compare layouts through them), so only the window is checked there."""
+    if attention.sliding_window != model.config.sliding_window:
+        raise ConfigError(f"attention.sliding_window={attention.sliding_window} differs from the model's "
+                          f"sliding_window={model.config.sliding_window}")
+    if _first_device(model).platform != "gpu":
+        return
+    chosen = {f.name: getattr(attention, f.name) for f in dataclasses.fields(attention)
+              if f.name not in ("page_size", "sliding_window")}
+    try:
+        model.attention_config(attention.page_size, **chosen)
+    except ValueError as e:
+        raise ConfigError(f"attention={attention}: {e}") from None
+
+
 def default_max_num_seqs(pool_pages: int, page_size: int) -> int:
     """The rows a decode step may take when ``max_num_seqs`` is not given: LARGE_POOL_SEQS where a
     pool of ``pool_pages`` holds that many LARGE_POOL_TOKENS-token sequences, else SMALL_POOL_SEQS."""
@@ -147,6 +166,8 @@ class Engine:
                 f"raise kv_cache_memory_fraction / kv_cache_bytes or lower max_model_len")
         if attention is None:
             attention = model.attention_config(config.page_size)
+        else:
+            check_attention(model, attention)
         if attention.page_size != config.page_size:
             raise ConfigError(f"attention.page_size={attention.page_size} differs from the engine's page_size="
                               f"{config.page_size}")
