@@ -74,6 +74,25 @@ def write_preset(checkpoint: str, preset: str) -> None:
     print(f"wrote {checkpoint} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
+def gpu_state() -> dict | None:
+    """The GPU's clocks, power and temperature now (nvidia-smi; None where it is absent), logged beside
+    each reported run: on 2026-12-06 batch-1 decode took 6.15 ms per token after (a) and (b) in one
+    process and 4.02 ms in a fresh one, for the same GPU work, and nothing said whether clocks moved."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    fields = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in out.split(",")]
+    return dict(zip(fields, values)) if len(values) == len(fields) else None
+
+
 def sampling_params(**kw):
     """modelopt_jax's SamplingParams, imported on first use (keeps this module free of jax at import)."""
     from modelopt_jax import SamplingParams
@@ -471,9 +490,11 @@ def main():
                 t = time.perf_counter()
                 run(llm, prompt[0], p)
                 first = time.perf_counter() - t
+                gpu = gpu_state()
                 t = time.perf_counter()
                 _, st = run(llm, prompt[0], p)
                 second = time.perf_counter() - t
+                st["gpu_before"], st["gpu_after"] = gpu, gpu_state()
                 ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
                 roof = 1e3 * (wb + context * kvt) / COPY_BANDWIDTH
                 report["runs"][f"c{context}"] = {**st, "ms_per_decode_step": ms, "roofline_ms": roof,
@@ -488,9 +509,11 @@ def main():
         first = time.perf_counter() - t
         st, second = first_st, None
         if not args.once:
+            gpu = gpu_state()
             t = time.perf_counter()
             _, st = run(llm, prompts, params)
             second = time.perf_counter() - t
+            st["gpu_before"], st["gpu_after"] = gpu, gpu_state()
         ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
         # decode-only steps of (a) run at batch 64 over 1024..1152 tokens: roofline at the mean context
         roof = 1e3 * (wb + len(prompts) * (1024 + 64) * kvt) / COPY_BANDWIDTH if name == "a" and args.scale == 1 \
