@@ -12,7 +12,8 @@
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
-#   llama3-8b) into CKPT_DIR first
+#   llama3-8b; llama3-8b-kv adds ModelOpt's FP8 KV scales, as NVIDIA's exports have, so both engines keep FP8
+#   pages under kv_cache_dtype=auto -- give peer the same PRESET and a CKPT_DIR of its own) into CKPT_DIR first
 #   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
 #   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
 # peer CKPT_DIR WORKLOADS [noprefix] [fp8]: vLLM 0.26.0 (unpacked into /tmp/vsite by tools/peer's
