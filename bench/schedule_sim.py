@@ -118,9 +118,9 @@ def simulate(args, scheduler, attention, requests, run):
             key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap)
             shapes[key] += 1
             padded += key.tokens
-            if any(n > 1 for _, n in part):  # a program with prompt chunks: its tokens as run, and as fed
-                prompt_tokens["run"] += key.tokens
-                prompt_tokens["fed"] += sum(n for _, n in part)
+            if key.prompt_tokens:  # a program with prompt chunks: its prompt tokens as run (padded), and as fed
+                prompt_tokens["run"] += key.prompt_tokens
+                prompt_tokens["fed"] += sum(n for _, n in part if n > 1)
         decode = [r for r, n in batch if n == 1]
         if decode and attention.cascade_group:
             nd = bucket(len(decode), MIN_DECODE_ROWS)

@@ -223,15 +223,13 @@ def profile_workload(llm, vocab: int, workload_name: str = "a", new: int = 34, t
     from timing import kernel_times
 
     prompts, _ = workload(workload_name, vocab)
-
-    def fresh(k: int):  # prefix caching would serve a traced run's prompts from the warm-up run's pages
-        return shifted(prompts, vocab, k)
-
     tables, walls = [], []
     for i, n in enumerate((2, new)):
+        # each run on prompts of its own: prefix caching would serve a traced run's prompts from the
+        # warm-up run's pages
         p = sampling_params(max_tokens=n, ignore_eos=True)
-        run(llm, fresh(2 * i + 1), p)  # compiled and warm
-        traced = fresh(2 * i + 2)
+        run(llm, shifted(prompts, vocab, 2 * i + 1), p)  # compiled and warm
+        traced = shifted(prompts, vocab, 2 * i + 2)
         holder = {}
         tables.append(kernel_times(lambda: holder.update(stats=run(llm, traced, p)[1])))
         walls.append(holder["stats"])

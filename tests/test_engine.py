@@ -559,6 +559,7 @@ def test_an_attention_config_given_by_hand_is_checked_before_any_step(monkeypatc
     devices cannot run is a ConfigError naming it when the engine is built, not a handler error inside
     the first compiled step: on a GPU, the CUDA kernels for a float32 pool (what ``attention_config``
     refuses there); anywhere, a sliding window other than the model's."""
+    import dataclasses
     from types import SimpleNamespace
 
     from modelopt_jax.engine import Engine, engine as engine_module
@@ -566,8 +567,6 @@ def test_an_attention_config_given_by_hand_is_checked_before_any_step(monkeypatc
 
     llm = _llm(kv_cache_bytes=4 << 20)
     model = llm.model
-    import dataclasses
-
     settings = dict(max_model_len=256, pad_id=llm.engine.runner.pad_id,  # (no start-up compiles: not what is tested)
                     config=dataclasses.replace(llm.engine.config, precompile_samplers=()))
     kernels = AttentionConfig(16, decode="fused_kernel", prefill="kernel")
@@ -578,8 +577,7 @@ def test_an_attention_config_given_by_hand_is_checked_before_any_step(monkeypatc
     assert Engine(model, attention=kernels, **settings).attention == kernels
     # on a GPU (the device stubbed; the model's own resolution still sees no CUDA kernel for this
     # float32 model here, as on a GPU), the same config is refused with what cannot run it
-    real = engine_module._first_device
-    monkeypatch.setattr(engine_module, "_first_device", lambda m: SimpleNamespace(platform="gpu", device=real(m)))
+    monkeypatch.setattr(engine_module, "_first_device", lambda m: SimpleNamespace(platform="gpu"))
     with pytest.raises(ConfigError, match=r"attention=AttentionConfig\(page_size=16, decode='fused_kernel'.*decode="):
         engine_module.check_attention(model, kernels)
     engine_module.check_attention(model, AttentionConfig(16))  # the XLA paths run everywhere
