@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
-# Expects the built libraries in .native/ and the needed fixtures in .fixtures/ (carried). Carry .native in
+# Expects the built libraries in .native/ (NATIVE_DIR names another folder, e.g. a baseline build for an A/B) and the needed fixtures in .fixtures/ (carried). Carry .native in
 # every call that runs our code: on 2026-12-06 a call that carried only .peer parts found no .native, and
 # the engine silently fell back to XLA's paths (a warning in the log, a benchmark 10x slower).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]
@@ -38,7 +38,7 @@
 #   (packed into $OUT/sanitizer_logs.tgz) and the error summaries in $OUT/sanitizer_summary.txt;
 #   SANITIZE_TESTS overrides the test list, SANITIZE_TIMEOUT the seconds pytest may run (540).
 set -uo pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=$PWD/.native MODELOPT_JAX_FIXTURES=$PWD/.fixtures
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MODELOPT_JAX_NATIVE_DIR=${NATIVE_DIR:-$PWD/.native} MODELOPT_JAX_FIXTURES=$PWD/.fixtures
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.7}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
@@ -131,15 +131,17 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ] || [ "$1" = noprecompile ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine [W:]K=V[,K=V]: W (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention decode_variant=staged)
         [ "$1" = noprefill ] && extra+=(--attention prefill=xla); [ "$1" = nofusedwrite ] && extra+=(--attention decode=kernel)
         [ "$1" = noprefix ] && extra+=(--no-prefix-caching)  # LLM(enable_prefix_caching=False)
         [ "$1" = nocascade ] && extra+=(--attention cascade_group=0)  # decode rows read shared prefixes themselves
+        [ "$1" = noprecompile ] && extra+=(--no-precompile)  # programs compile when first needed (A/B of one workload)
         tag+="_$1"; shift
       done
+      tag+="${TAG:-}"  # TAG: a suffix telling A/B runs of one command apart (e.g. with NATIVE_DIR)
       pj=${PEER_JSON:-${peer_json:-}}; [ -n "$pj" ] && [ -f "$pj" ] && extra+=(--peer-json "$pj")  # ours/vLLM
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/serve.py --checkpoint "$ckpt" --write-preset "${PRESET:-llama3-8b}" \
         --workloads "$workloads" "${extra[@]}" --json "$OUT/serve_$tag.json" 2>&1 | tee "$OUT/serve_$tag.log" | tail -30 ;;

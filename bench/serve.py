@@ -424,6 +424,9 @@ def main():
                          "(compare with peer_vllm_workloads.py --no-prefix-caching)")
     ap.add_argument("--static-peer", action="store_true",
                     help="also time (a) through a static dense-cache loop (cache = max_model_len), first, same process")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="LLM(precompile=False): each step program compiles when a step first needs it (A/B "
+                         "runs of one workload that read only the second run: no 42-program start-up)")
     ap.add_argument("--engine", action="append", default=[], metavar="K=V[,K=V]",
                     help="after the workloads, run a workload (W, default b) again under these EngineConfig "
                          "changes (repeatable), e.g. max_num_seqs=512,max_num_batched_tokens=4096 or "
@@ -462,7 +465,8 @@ def main():
               flush=True)
     # every default (max_model_len 4096, kv_cache_memory_fraction 0.9, prefix caching, ...) but those asked for
     llm = LLM(args.checkpoint, kv_cache_dtype=args.kv_cache_dtype,
-              **({"enable_prefix_caching": False} if args.no_prefix_caching else {}))
+              **({"enable_prefix_caching": False} if args.no_prefix_caching else {}),
+              **({"precompile": False} if args.no_precompile else {}))
     model = llm.model
     if args.attention:
         import gc
@@ -484,7 +488,7 @@ def main():
     report = {"device": dev.device_kind, "attention": dataclasses.asdict(llm.engine.runner.attention),
               "engine": dataclasses.asdict(llm.engine.config), "checkpoint": args.checkpoint, "weight_bytes": wb, "runs": {},
               "kv_cache_dtype": llm.kv_cache_dtype, "static_dense_a": static, "scale": args.scale,
-              "prefix_caching": not args.no_prefix_caching}
+              "prefix_caching": not args.no_prefix_caching, "precompile": not args.no_precompile}
     for name in [w for w in args.workloads.split(",") if w]:  # "" : only --engine / --profile runs
         if name == "c":
             for context in (1024, 4096):

@@ -107,6 +107,30 @@ def test_scheduler_options_are_correct(swizzle, raster, m):
            raster=raster)
 
 
+def _stream_tiles():
+    return [t for t in range(native.config_count()) if "stream" in native.config_name(t)]
+
+
+@pytest.mark.parametrize("m,n,k", [
+    (1, 4096, 4096),    # batch-1 decode, an 8B o_proj
+    (3, 1032, 1040),    # N not a multiple of the CTA's 16 rows, K not of a warp's 256-byte chunk
+    (9, 520, 16),       # K of one 16-byte piece: most lanes load nothing
+    (17, 2056, 3088),   # M past one and two 8-row column blocks, every edge at once
+    (40, 776, 14336),   # several token-row tiles of the grid, a down_proj-sized K
+])
+@pytest.mark.parametrize("variant,out_dtype", [("scalar", jnp.bfloat16), ("row_col_bias", jnp.float16),
+                                               ("col", jnp.bfloat16), ("row", jnp.bfloat16)])
+def test_streaming_configs_cover_every_edge(m, n, k, variant, out_dtype):
+    """The weight-streaming kernels (few token rows) zero-fill rows past M and N and K pieces past K;
+    a wrong permutation of K between the two operands or a misplaced accumulator shows as a large
+    error against float64, an unwritten element as NaN."""
+    tiles = _stream_tiles()
+    if not tiles:
+        pytest.skip("this device's kernel table has no streaming configuration")
+    for tile in tiles:
+        _check(m, n, k, variant, out_dtype, seed=m * 131 + n + tile, tile=tile)
+
+
 def test_out_of_range_tile_is_an_error():
     count = native.config_count()
     with pytest.raises(Exception, match=f"tile {count} out of range \\({count} compiled"):

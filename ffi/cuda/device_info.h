@@ -40,7 +40,7 @@ inline const char* StatusText(LaunchStatus s) {
     case LaunchStatus::kCannotImplement: return "CUTLASS cannot implement this problem (alignment: K % 16, N % 8)";
     case LaunchStatus::kWorkspace: return "this configuration needs a workspace, which is not supported";
     case LaunchStatus::kInitialize: return "CUTLASS initialize failed";
-    case LaunchStatus::kRun: return "CUTLASS run failed";
+    case LaunchStatus::kRun: return "the kernel failed to launch or run";
   }
   return "unknown";
 }
