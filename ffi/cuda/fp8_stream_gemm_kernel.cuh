@@ -14,9 +14,9 @@
 // K order inside a step is permuted, identically for both operands (a dot product does not care):
 // lane (g, q) loads 16 contiguous bytes of weight rows g and g + 8 and of token row g at byte
 // 16 q of the step, and hands bytes 0-7 to the first mma of the step and bytes 8-15 to the second,
-// in the register slots where the mma expects K = 4q..4q+3 and 16+4q..16+4q+3. A CTA holds 16 weight
-// rows and kMTile token rows; its warps split K and add their float32 partial sums in shared memory
-// before the epilogue. Accumulation is the mma's float32 (no FP8 fast-accumulation mode here).
+// in the register slots where the mma expects K = 4q..4q+3 and 16+4q..16+4q+3. A CTA holds one or
+// two tiles of 16 weight rows and kMTile token rows; its warps split K and add their float32 partial
+// sums in shared memory before the epilogue. Accumulation is the mma's float32 (no FP8 fast-accumulation mode here).
 #ifndef MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 #define MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 
@@ -30,10 +30,8 @@
 
 namespace modelopt_jax::cuda::stream_gemm {
 
-constexpr int kRows = 16;     // weight rows (output features) per CTA: the mma's M
-constexpr int kStepK = 64;    // K per warp per step: two m16n8k32 mmas
-constexpr int kUnroll = 4;    // steps whose loads are all issued before the first mma of them
-constexpr int kChunkK = kStepK * kUnroll;  // 256 contiguous bytes of each weight row per warp pass
+constexpr int kTileRows = 16;  // weight rows (output features) per row tile: the mma's M
+constexpr int kStepK = 64;     // K per warp per step: two m16n8k32 mmas
 
 __device__ __forceinline__ void MmaE4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                         uint32_t b0, uint32_t b1) {
@@ -44,7 +42,8 @@ __device__ __forceinline__ void MmaE4m3(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A weight load: read once per call, so it skips L1; L2 fetches the 256-byte chunk it belongs to.
+// A weight load: read once per call, so it skips L1; L2 fetches the 256 bytes around it, which the
+// same or the next warp reads next.
 __device__ __forceinline__ uint4 LoadWeight(const uint8_t* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -74,21 +73,31 @@ struct Operands {
   int m, n, k;
 };
 
-template <int kMTile, int kWarps, class OutT>
+// kRowTiles tiles of 16 weight rows per CTA (more rows per token-row load: the token rows are read
+// from L2 by every CTA), kUnroll steps of 64 K per warp pass (bytes in flight per lane).
+template <int kMTile, int kWarps, int kRowTiles, int kUnroll, class OutT>
 __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   static_assert(kMTile == 8 || kMTile == 16, "token rows per CTA: one or two mma column blocks");
   constexpr int kSub = kMTile / 8;
-  __shared__ float partial[kWarps][kSub][32][4];
+  constexpr int kRows = kTileRows * kRowTiles;
+  constexpr int kChunkK = kStepK * kUnroll;  // contiguous bytes of each weight row per warp pass
+  __shared__ float partial[kWarps][kRowTiles][kSub][32][4];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int n0 = blockIdx.y * kRows, m0 = blockIdx.x * kMTile;
   const int k = op.k;
 
-  // Rows past N or M read as zeros (their outputs are not stored).
-  const bool lo_ok = n0 + g < op.n, hi_ok = n0 + g + 8 < op.n;
-  const uint8_t* w_lo = op.b + static_cast<size_t>(lo_ok ? n0 + g : 0) * k + 16 * q;
-  const uint8_t* w_hi = op.b + static_cast<size_t>(hi_ok ? n0 + g + 8 : 0) * k + 16 * q;
+  // Rows past N or M read as zeros (their outputs are not stored). Weight row 8 h + g of the CTA
+  // (h = 2 t for row tile t's upper half, 2 t + 1 for its lower) is this lane's w_row[h].
+  bool w_ok[2 * kRowTiles];
+  const uint8_t* w_row[2 * kRowTiles];
+#pragma unroll
+  for (int h = 0; h < 2 * kRowTiles; ++h) {
+    const int row = n0 + 8 * h + g;
+    w_ok[h] = row < op.n;
+    w_row[h] = op.b + static_cast<size_t>(w_ok[h] ? row : 0) * k + 16 * q;
+  }
   bool x_ok[kSub];
   const uint8_t* x_row[kSub];
 #pragma unroll
@@ -98,52 +107,62 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     x_row[s] = op.a + static_cast<size_t>(x_ok[s] ? row : 0) * k + 16 * q;
   }
 
-  float acc[kSub][4];
+  float acc[kRowTiles][kSub][4];
 #pragma unroll
-  for (int s = 0; s < kSub; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0.0f;
+  for (int t = 0; t < kRowTiles; ++t) {
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) acc[t][s][0] = acc[t][s][1] = acc[t][s][2] = acc[t][s][3] = 0.0f;
+  }
 
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int k0 = warp * kChunkK; k0 < k; k0 += kWarps * kChunkK) {
-    uint4 wl[kUnroll], wh[kUnroll], xv[kUnroll][kSub];
+    uint4 wv[kUnroll][2 * kRowTiles], xv[kUnroll][kSub];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kk = k0 + u * kStepK;
       const bool in = kk + 16 * q < k;  // K % 16 == 0: a 16-byte piece is wholly in or out
-      wl[u] = in && lo_ok ? LoadWeight(w_lo + kk) : zero;
-      wh[u] = in && hi_ok ? LoadWeight(w_hi + kk) : zero;
+#pragma unroll
+      for (int h = 0; h < 2 * kRowTiles; ++h) wv[u][h] = in && w_ok[h] ? LoadWeight(w_row[h] + kk) : zero;
 #pragma unroll
       for (int s = 0; s < kSub; ++s) xv[u][s] = in && x_ok[s] ? LoadToken(x_row[s] + kk) : zero;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
-      for (int s = 0; s < kSub; ++s) {
-        MmaE4m3(acc[s], wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv[u][s].x, xv[u][s].y);
-        MmaE4m3(acc[s], wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv[u][s].z, xv[u][s].w);
+      for (int t = 0; t < kRowTiles; ++t) {
+        const uint4 lo = wv[u][2 * t], hi = wv[u][2 * t + 1];
+#pragma unroll
+        for (int s = 0; s < kSub; ++s) {
+          MmaE4m3(acc[t][s], lo.x, hi.x, lo.y, hi.y, xv[u][s].x, xv[u][s].y);
+          MmaE4m3(acc[t][s], lo.z, hi.z, lo.w, hi.w, xv[u][s].z, xv[u][s].w);
+        }
       }
     }
   }
 
 #pragma unroll
-  for (int s = 0; s < kSub; ++s) {
+  for (int t = 0; t < kRowTiles; ++t) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][s][lane][i] = acc[s][i];
+    for (int s = 0; s < kSub; ++s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][t][s][lane][i] = acc[t][s][i];
+    }
   }
   __syncthreads();
 
-  // Output (token c, weight row r) of the CTA sits in lane (r % 8) * 4 + c / 2 of column block
-  // c / 8, accumulator (r / 8) * 2 + c % 2 (the m16n8 D fragment). Consecutive threads take
+  // Output (token c, weight row r) of the CTA sits in row tile r / 16, column block c / 8, lane
+  // (r % 8) * 4 + (c % 8) / 2, accumulator ((r % 16) / 8) * 2 + c % 2 (the m16n8 D fragment). Consecutive threads take
   // consecutive weight rows, so the stores of one token row are contiguous.
   OutT* out = static_cast<OutT*>(op.out);
   for (int o = threadIdx.x; o < kRows * kMTile; o += kWarps * 32) {
     const int r = o % kRows, c = o / kRows;
     const int row = m0 + c, col = n0 + r;
     if (row >= op.m || col >= op.n) continue;
-    const int s = c / 8, cc = c % 8;
-    const int src_lane = (r % 8) * 4 + cc / 2, src_acc = (r / 8) * 2 + cc % 2;
+    const int t = r / kTileRows, s = c / 8, cc = c % 8;
+    const int src_lane = (r % 8) * 4 + cc / 2, src_acc = ((r % kTileRows) / 8) * 2 + cc % 2;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += partial[w][s][src_lane][src_acc];
+    for (int w = 0; w < kWarps; ++w) sum += partial[w][t][s][src_lane][src_acc];
     const float token = op.row_scale ? op.row_scale[row] : op.alpha;
     const float channel = op.col_scale ? op.col_scale[col] : (op.row_scale ? op.alpha : 1.0f);
     float v = token * (channel * sum);
@@ -152,9 +171,11 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   }
 }
 
-// One configuration: token rows per CTA and warps per CTA (each warp a slice of K).
-template <int kMTile, int kWarps>
+// One configuration: token rows per CTA, warps per CTA (each a slice of K), 16-row weight tiles per
+// CTA and steps per warp pass.
+template <int kMTile, int kWarps, int kRowTiles, int kUnroll>
 LaunchStatus Run(const LaunchArgs& p) {
+  constexpr int kRows = kTileRows * kRowTiles;
   if (p.k % 16 != 0 || p.n % 8 != 0) return LaunchStatus::kCannotImplement;
   if ((reinterpret_cast<uintptr_t>(p.a) | reinterpret_cast<uintptr_t>(p.b)) % 16 != 0) {
     return LaunchStatus::kCannotImplement;
@@ -166,9 +187,9 @@ LaunchStatus Run(const LaunchArgs& p) {
   const Operands op{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.row_scale, p.col_scale,
                     p.bias, p.out, p.alpha, p.m, p.n, p.k};
   if (p.out_bf16) {
-    StreamGemm<kMTile, kWarps, __nv_bfloat16><<<grid, kWarps * 32, 0, p.stream>>>(op);
+    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, __nv_bfloat16><<<grid, kWarps * 32, 0, p.stream>>>(op);
   } else {
-    StreamGemm<kMTile, kWarps, __half><<<grid, kWarps * 32, 0, p.stream>>>(op);
+    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, __half><<<grid, kWarps * 32, 0, p.stream>>>(op);
   }
   return cudaGetLastError() == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kRun;
 }

@@ -12,10 +12,12 @@ LaunchStatus RunSm90Config4(const LaunchArgs&);
 LaunchStatus RunSm90Config5(const LaunchArgs&);
 LaunchStatus RunSm90Config6(const LaunchArgs&);
 LaunchStatus RunSm90Config7(const LaunchArgs&);
-LaunchStatus RunSm90Stream8W4(const LaunchArgs&);
-LaunchStatus RunSm90Stream8W8(const LaunchArgs&);
-LaunchStatus RunSm90Stream16W4(const LaunchArgs&);
-LaunchStatus RunSm90Stream16W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream16x8W4(const LaunchArgs&);
+LaunchStatus RunSm90Stream16x8W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream16x16W4(const LaunchArgs&);
+LaunchStatus RunSm90Stream16x16W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream32x8W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream32x16W8(const LaunchArgs&);
 
 const KernelConfig kSm90Configs[] = {
     {"sm90 swapab 64x16x256 c1x1 ws", RunSm90Config0},
@@ -26,10 +28,12 @@ const KernelConfig kSm90Configs[] = {
     {"sm90 128x128x128 c2x1 pingpong", RunSm90Config5},
     {"sm90 128x256x128 c2x1 coop", RunSm90Config6},
     {"sm90 256x128x128 c2x1 coop", RunSm90Config7},
-    {"sm90 stream 16x8 4 warps mma.sync", RunSm90Stream8W4},
-    {"sm90 stream 16x8 8 warps mma.sync", RunSm90Stream8W8},
-    {"sm90 stream 16x16 4 warps mma.sync", RunSm90Stream16W4},
-    {"sm90 stream 16x16 8 warps mma.sync", RunSm90Stream16W8},
+    {"sm90 stream 16x8 4 warps unroll 4", RunSm90Stream16x8W4},
+    {"sm90 stream 16x8 8 warps unroll 4", RunSm90Stream16x8W8},
+    {"sm90 stream 16x16 4 warps unroll 4", RunSm90Stream16x16W4},
+    {"sm90 stream 16x16 8 warps unroll 4", RunSm90Stream16x16W8},
+    {"sm90 stream 32x8 8 warps unroll 2", RunSm90Stream32x8W8},
+    {"sm90 stream 32x16 8 warps unroll 2", RunSm90Stream32x16W8},
 };
 const int kNumSm90Configs = sizeof(kSm90Configs) / sizeof(kSm90Configs[0]);
 
