@@ -46,14 +46,18 @@ __device__ __forceinline__ void MmaE4m3(float (&d)[4], uint32_t a0, uint32_t a1,
 // same or the next warp reads next.
 __device__ __forceinline__ uint4 LoadWeight(const uint8_t* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
 }
 
 // A token-row load: every CTA of the grid reads the same rows, so they stay cached.
-__device__ __forceinline__ uint4 LoadToken(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 LoadToken(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
 
 template <class OutT>
 __device__ __forceinline__ OutT Convert(float v);
@@ -114,30 +118,47 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     for (int s = 0; s < kSub; ++s) acc[t][s][0] = acc[t][s][1] = acc[t][s][2] = acc[t][s][3] = 0.0f;
   }
 
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int k0 = warp * kChunkK; k0 < k; k0 += kWarps * kChunkK) {
-    uint4 wv[kUnroll][2 * kRowTiles], xv[kUnroll][kSub];
+  // One warp pass: kUnroll steps of every weight row and token row of the lane. Loads are
+  // unconditional (a piece past K re-reads the row's first piece; rows past N or M read row 0) and
+  // masked to zeros when used, so they are straight-line code; the next pass's loads are issued
+  // before this pass's mmas (registers double-buffered), so a warp always has a pass in flight.
+  struct Pass {
+    uint4 w[kUnroll][2 * kRowTiles];
+    uint4 x[kUnroll][kSub];
+  };
+  auto load = [&](int k0, Pass& pass) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int kk = k0 + u * kStepK;
-      const bool in = kk + 16 * q < k;  // K % 16 == 0: a 16-byte piece is wholly in or out
+      const int kk = k0 + u * kStepK + 16 * q < k ? k0 + u * kStepK : -16 * q;
 #pragma unroll
-      for (int h = 0; h < 2 * kRowTiles; ++h) wv[u][h] = in && w_ok[h] ? LoadWeight(w_row[h] + kk) : zero;
+      for (int h = 0; h < 2 * kRowTiles; ++h) pass.w[u][h] = LoadWeight(w_row[h] + kk);
 #pragma unroll
-      for (int s = 0; s < kSub; ++s) xv[u][s] = in && x_ok[s] ? LoadToken(x_row[s] + kk) : zero;
+      for (int s = 0; s < kSub; ++s) pass.x[u][s] = LoadToken(x_row[s] + kk);
     }
+  };
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  constexpr int kStride = kWarps * kChunkK;
+  Pass cur;
+  load(warp * kChunkK, cur);
+  for (int k0 = warp * kChunkK; k0 < k; k0 += kStride) {
+    Pass next;
+    load(k0 + kStride < k ? k0 + kStride : k0, next);  // the last pass re-reads its own (cached) bytes
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const bool in = k0 + u * kStepK + 16 * q < k;  // K % 16 == 0: a 16-byte piece is wholly in or out
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
-        const uint4 lo = wv[u][2 * t], hi = wv[u][2 * t + 1];
+        const uint4 lo = in && w_ok[2 * t] ? cur.w[u][2 * t] : zero;
+        const uint4 hi = in && w_ok[2 * t + 1] ? cur.w[u][2 * t + 1] : zero;
 #pragma unroll
         for (int s = 0; s < kSub; ++s) {
-          MmaE4m3(acc[t][s], lo.x, hi.x, lo.y, hi.y, xv[u][s].x, xv[u][s].y);
-          MmaE4m3(acc[t][s], lo.z, hi.z, lo.w, hi.w, xv[u][s].z, xv[u][s].w);
+          const uint4 xs = in && x_ok[s] ? cur.x[u][s] : zero;
+          MmaE4m3(acc[t][s], lo.x, hi.x, lo.y, hi.y, xs.x, xs.y);
+          MmaE4m3(acc[t][s], lo.z, hi.z, lo.w, hi.w, xs.z, xs.w);
         }
       }
     }
+    cur = next;
   }
 
 #pragma unroll
