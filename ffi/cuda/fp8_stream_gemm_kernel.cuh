@@ -77,19 +77,25 @@ struct Operands {
   int m, n, k;
 };
 
-// kRowTiles tiles of 16 weight rows per CTA (more rows per token-row load: the token rows are read
-// from L2 by every CTA), kUnroll steps of 64 K per warp pass (bytes in flight per lane).
-template <int kMTile, int kWarps, int kRowTiles, int kUnroll, class OutT>
+// kRowTiles tiles of 16 weight rows per warp and kRowWarps groups of warps side by side along the
+// rows (more weight rows per token-row load: every CTA reads the token rows; the warps of one K
+// slice in different row groups read the same token bytes, the first from L2, the rest from L1);
+// the kWarps / kRowWarps warps of a row group split K; kUnroll steps of 64 K per warp pass.
+template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps, class OutT>
 __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   static_assert(kMTile == 8 || kMTile == 16, "token rows per CTA: one or two mma column blocks");
   constexpr int kSub = kMTile / 8;
-  constexpr int kRows = kTileRows * kRowTiles;
+  static_assert(kWarps % kRowWarps == 0, "every row group has the same number of K slices");
+  constexpr int kKWarps = kWarps / kRowWarps;          // warps splitting K within a row group
+  constexpr int kWarpRows = kTileRows * kRowTiles;     // weight rows per warp
+  constexpr int kRows = kWarpRows * kRowWarps;         // weight rows per CTA
   constexpr int kChunkK = kStepK * kUnroll;  // contiguous bytes of each weight row per warp pass
-  __shared__ float partial[kWarps][kRowTiles][kSub][32][4];
+  __shared__ float partial[kKWarps][kRowWarps][kRowTiles][kSub][32][4];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
-  const int n0 = blockIdx.y * kRows, m0 = blockIdx.x * kMTile;
+  const int row_warp = warp % kRowWarps, k_warp = warp / kRowWarps;
+  const int n0 = blockIdx.y * kRows + row_warp * kWarpRows, m0 = blockIdx.x * kMTile;  // this warp's rows
   const int k = op.k;
 
   // Rows past N or M read as zeros (their outputs are not stored). Weight row 8 h + g of the CTA
@@ -137,10 +143,10 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     }
   };
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  constexpr int kStride = kWarps * kChunkK;
+  constexpr int kStride = kKWarps * kChunkK;
   Pass cur;
-  load(warp * kChunkK, cur);
-  for (int k0 = warp * kChunkK; k0 < k; k0 += kStride) {
+  load(k_warp * kChunkK, cur);
+  for (int k0 = k_warp * kChunkK; k0 < k; k0 += kStride) {
     Pass next;
     load(k0 + kStride < k ? k0 + kStride : k0, next);  // the last pass re-reads its own (cached) bytes
 #pragma unroll
@@ -166,7 +172,7 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][t][s][lane][i] = acc[t][s][i];
+      for (int i = 0; i < 4; ++i) partial[k_warp][row_warp][t][s][lane][i] = acc[t][s][i];
     }
   }
   __syncthreads();
@@ -177,13 +183,13 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   OutT* out = static_cast<OutT*>(op.out);
   for (int o = threadIdx.x; o < kRows * kMTile; o += kWarps * 32) {
     const int r = o % kRows, c = o / kRows;
-    const int row = m0 + c, col = n0 + r;
+    const int row = m0 + c, col = blockIdx.y * kRows + r;
     if (row >= op.m || col >= op.n) continue;
-    const int t = r / kTileRows, s = c / 8, cc = c % 8;
+    const int rw = r / kWarpRows, t = (r % kWarpRows) / kTileRows, s = c / 8, cc = c % 8;
     const int src_lane = (r % 8) * 4 + cc / 2, src_acc = ((r % kTileRows) / 8) * 2 + cc % 2;
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += partial[w][t][s][src_lane][src_acc];
+    for (int w = 0; w < kKWarps; ++w) sum += partial[w][rw][t][s][src_lane][src_acc];
     const float token = op.row_scale ? op.row_scale[row] : op.alpha;
     const float channel = op.col_scale ? op.col_scale[col] : (op.row_scale ? op.alpha : 1.0f);
     float v = token * (channel * sum);
@@ -194,9 +200,9 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
 
 // One configuration: token rows per CTA, warps per CTA (each a slice of K), 16-row weight tiles per
 // CTA and steps per warp pass.
-template <int kMTile, int kWarps, int kRowTiles, int kUnroll>
+template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps = 1>
 LaunchStatus Run(const LaunchArgs& p) {
-  constexpr int kRows = kTileRows * kRowTiles;
+  constexpr int kRows = kTileRows * kRowTiles * kRowWarps;
   if (p.k % 16 != 0 || p.n % 8 != 0) return LaunchStatus::kCannotImplement;
   if ((reinterpret_cast<uintptr_t>(p.a) | reinterpret_cast<uintptr_t>(p.b)) % 16 != 0) {
     return LaunchStatus::kCannotImplement;
@@ -208,9 +214,9 @@ LaunchStatus Run(const LaunchArgs& p) {
   const Operands op{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.row_scale, p.col_scale,
                     p.bias, p.out, p.alpha, p.m, p.n, p.k};
   if (p.out_bf16) {
-    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, __nv_bfloat16><<<grid, kWarps * 32, 0, p.stream>>>(op);
+    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, kRowWarps, __nv_bfloat16><<<grid, kWarps * 32, 0, p.stream>>>(op);
   } else {
-    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, __half><<<grid, kWarps * 32, 0, p.stream>>>(op);
+    StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, kRowWarps, __half><<<grid, kWarps * 32, 0, p.stream>>>(op);
   }
   return cudaGetLastError() == cudaSuccess ? LaunchStatus::kOk : LaunchStatus::kRun;
 }

@@ -14,10 +14,10 @@ LaunchStatus RunSm90Config6(const LaunchArgs&);
 LaunchStatus RunSm90Config7(const LaunchArgs&);
 LaunchStatus RunSm90Stream16x8W4(const LaunchArgs&);
 LaunchStatus RunSm90Stream16x8W8(const LaunchArgs&);
-LaunchStatus RunSm90Stream16x16W4(const LaunchArgs&);
 LaunchStatus RunSm90Stream16x16W8(const LaunchArgs&);
 LaunchStatus RunSm90Stream32x8W8(const LaunchArgs&);
-LaunchStatus RunSm90Stream32x16W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream64x8W8(const LaunchArgs&);
+LaunchStatus RunSm90Stream64x16W8(const LaunchArgs&);
 
 const KernelConfig kSm90Configs[] = {
     {"sm90 swapab 64x16x256 c1x1 ws", RunSm90Config0},
@@ -28,12 +28,12 @@ const KernelConfig kSm90Configs[] = {
     {"sm90 128x128x128 c2x1 pingpong", RunSm90Config5},
     {"sm90 128x256x128 c2x1 coop", RunSm90Config6},
     {"sm90 256x128x128 c2x1 coop", RunSm90Config7},
-    {"sm90 stream 16x8 4 warps unroll 4", RunSm90Stream16x8W4},
-    {"sm90 stream 16x8 8 warps unroll 4", RunSm90Stream16x8W8},
-    {"sm90 stream 16x16 4 warps unroll 4", RunSm90Stream16x16W4},
-    {"sm90 stream 16x16 8 warps unroll 4", RunSm90Stream16x16W8},
-    {"sm90 stream 32x8 8 warps unroll 2", RunSm90Stream32x8W8},
-    {"sm90 stream 32x16 8 warps unroll 2", RunSm90Stream32x16W8},
+    {"sm90 stream 16x8 4 warps", RunSm90Stream16x8W4},
+    {"sm90 stream 16x8 8 warps", RunSm90Stream16x8W8},
+    {"sm90 stream 16x16 8 warps", RunSm90Stream16x16W8},
+    {"sm90 stream 32x8 2x4 warps", RunSm90Stream32x8W8},
+    {"sm90 stream 64x8 4x2 warps", RunSm90Stream64x8W8},
+    {"sm90 stream 64x16 4x2 warps", RunSm90Stream64x16W8},
 };
 const int kNumSm90Configs = sizeof(kSm90Configs) / sizeof(kSm90Configs[0]);
 
