@@ -5,7 +5,10 @@ cannot hide it. Every sm_90a cubin that holds a GEMM kernel must issue FP8 warpg
 (``QGMMA...E4M3.E4M3``) fed by TMA loads (``UTMALDG``); every sm_100a cubin must issue
 ``UTCQMMA`` (Blackwell FP8 UMMA). Every instantiation of the tensor-core attention kernels
 (``PagedPrefillKernel``, ``PagedDecodeMmaKernel``) must issue ``HMMA.16816`` (mma.sync m16n8k16), and the
-prefill kernel ``LDSM.16.M88.4`` and ``LDSM.16.MT88.4`` (ldmatrix, plain and transposed). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
+prefill kernel ``LDSM.16.M88.4`` and ``LDSM.16.MT88.4`` (ldmatrix, plain and transposed). Every
+instantiation of the weight-streaming GEMM (``StreamGemm``) must issue ``HMMA.16816.F32`` (its e4m3
+mma.sync, as ptxas expands it on sm_90) and 16-byte weight loads that skip L1
+(``LDG.E.NA...128``). Needs ``cuobjdump`` and ``nvdisasm`` (CUDA toolkit, or the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels, whose bin/ is searched too).
 
     python ffi/check_sass.py [path/to/libmodelopt_jax_ffi_cuda.so]
@@ -42,7 +45,7 @@ def main() -> int:
     if shutil.which("cuobjdump", path=env["PATH"]) is None:
         print("check_sass: cuobjdump not found", file=sys.stderr)
         return 1
-    failures, checked, attention_kernels = [], 0, 0
+    failures, checked, attention_kernels, stream_kernels = [], 0, 0, 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["cuobjdump", "--extract-elf", "all", os.path.abspath(lib)], cwd=tmp, env=env, check=True,
                        capture_output=True)
@@ -59,6 +62,10 @@ def main() -> int:
                     if "PagedPrefillKernel" in function and not ("LDSM.16.M88.4" in function and
                                                                  "LDSM.16.MT88.4" in function):
                         failures.append(function.split()[0][:120] + " (no ldmatrix)")
+                if "StreamGemm" in function:
+                    stream_kernels += 1
+                    if "HMMA.16816.F32" not in function or not re.search(r"LDG\.E\.NA\S*\.128", function):
+                        failures.append(function.split()[0][:120] + " (no HMMA or no 16-byte L1-bypassing loads)")
             if "Function : " not in sass or "GemmUniversal" not in sass and "cutlass" not in sass:
                 continue  # host-side handler, table or attention kernels: no GEMM kernels
             name = os.path.basename(cubin)
@@ -84,7 +91,8 @@ def main() -> int:
         print(f"check_sass: no tensor-core instructions in {failures}", file=sys.stderr)
         return 1
     print(f"check_sass: {checked} kernel cubins use FP8 tensor-core instructions; "
-          f"{attention_kernels} attention kernels use HMMA (the prefill kernels ldmatrix too)")
+          f"{attention_kernels} attention kernels use HMMA (the prefill kernels ldmatrix too); "
+          f"{stream_kernels} weight-streaming GEMM kernels use HMMA and 16-byte L1-bypassing loads")
     return 0
 
 
