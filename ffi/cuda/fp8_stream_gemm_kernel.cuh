@@ -14,9 +14,9 @@
 // K order inside a step is permuted, identically for both operands (a dot product does not care):
 // lane (g, q) loads 16 contiguous bytes of weight rows g and g + 8 and of token row g at byte
 // 16 q of the step, and hands bytes 0-7 to the first mma of the step and bytes 8-15 to the second,
-// in the register slots where the mma expects K = 4q..4q+3 and 16+4q..16+4q+3. A CTA holds one or
-// two tiles of 16 weight rows and kMTile token rows; its warps split K and add their float32 partial
-// sums in shared memory before the epilogue. Accumulation is the mma's float32 (no FP8 fast-accumulation mode here).
+// in the register slots where the mma expects K = 4q..4q+3 and 16+4q..16+4q+3. A CTA holds kMTile
+// token rows and 16-64 weight rows (tiles of 16 per warp, groups of warps side by side); the warps
+// of a group split K and add their float32 partial sums in shared memory before the epilogue. Accumulation is the mma's float32 (no FP8 fast-accumulation mode here).
 #ifndef MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 #define MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 
@@ -177,9 +177,10 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   }
   __syncthreads();
 
-  // Output (token c, weight row r) of the CTA sits in row tile r / 16, column block c / 8, lane
-  // (r % 8) * 4 + (c % 8) / 2, accumulator ((r % 16) / 8) * 2 + c % 2 (the m16n8 D fragment). Consecutive threads take
-  // consecutive weight rows, so the stores of one token row are contiguous.
+  // Output (token c, weight row r) of the CTA sits in row group r / kWarpRows, that warp's row tile
+  // (r % kWarpRows) / 16, column block c / 8, lane (r % 8) * 4 + (c % 8) / 2, accumulator
+  // ((r % 16) / 8) * 2 + c % 2 (the m16n8 D fragment), summed over the group's K slices.
+  // Consecutive threads take consecutive weight rows, so the stores of one token row are contiguous.
   OutT* out = static_cast<OutT*>(op.out);
   for (int o = threadIdx.x; o < kRows * kMTile; o += kWarps * 32) {
     const int r = o % kRows, c = o / kRows;
