@@ -54,9 +54,13 @@ int ChooseSm90Config(int m, int n, int /*k*/) {
   // on 2026-12-02 (GPU kernel time, 8B qkv/o/gate_up/down at M 64/128/256): N = 4096 (o, down) at
   // M = 256 takes 64x128 ping-pong (o 814 vs 617 TFLOP/s, down 1063 vs 803), at M = 128 swap-AB
   // 64x64 (o 519 vs 442, down 756 vs 647); qkv (N = 6144) and gate_up keep the bucket's choice.
+  // M 17-32 by GPU kernel time on 2026-12-06 (bench/results/stream_v1_tune_h200_2026-12-06d.json;
+  // the 2026-11-30 choice was by wall time, whose ~15 us per call hid these kernels): swap-AB
+  // 64x32 over 128x32 coop, 8B qkv 9.1 vs 10.3 us, o 6.7 vs 9.4, gate_up 32.9 vs 33.7, down 16.5
+  // vs 23.9 (12 us less per 8B layer), 70B down 54.7 vs 57.1; 128x32 leads only on 70B qkv (23.1
+  // vs 24.5) and the 8B lm_head (127.4 vs 128.2).
   if (m <= 8) return 0;     // swap-AB 64x16x256 ws
-  if (m <= 16) return 1;    // swap-AB 64x32x256 ws
-  if (m <= 32) return 2;    // swap-AB 128x32x256 coop
+  if (m <= 32) return 1;    // swap-AB 64x32x256 ws
   if (m <= 64) return 3;    // swap-AB 64x64x256 ping-pong
   if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong, or swap-AB 64x64
   if (m <= 2048) return Tiles(m, n, 128, 128) < kFewTiles ? 4 : 5;  // 128x128x128 ping-pong, or 64x128
