@@ -58,8 +58,9 @@ int ChooseSm90Config(int m, int n, int /*k*/) {
   // the 2026-11-30 choice was by wall time, whose ~15 us per call hid these kernels): swap-AB
   // 64x32 over 128x32 coop, 8B qkv 9.1 vs 10.3 us, o 6.7 vs 9.4, gate_up 32.9 vs 33.7, down 16.5
   // vs 23.9 (12 us less per 8B layer), 70B down 54.7 vs 57.1; 128x32 leads only on 70B qkv (23.1
-  // vs 24.5) and the 8B lm_head (127.4 vs 128.2).
-  if (m <= 8) return 0;     // swap-AB 64x16x256 ws
+  // vs 24.5) and the 8B lm_head (127.4 vs 128.2). At M 9-16 the same run has 64x16 ahead of 64x32
+  // on all seven shapes it timed, by 1-2% (8B layer 64.2 vs 65.5 us).
+  if (m <= 16) return 0;    // swap-AB 64x16x256 ws
   if (m <= 32) return 1;    // swap-AB 64x32x256 ws
   if (m <= 64) return 3;    // swap-AB 64x64x256 ping-pong
   if (m <= 128) return Tiles(m, n, 64, 128) < kFewTiles ? 3 : 4;   // 64x128x128 ping-pong, or swap-AB 64x64
