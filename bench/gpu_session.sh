@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session on the H200: GPU tests, memcheck sample, tuning and a benchmark, logs to $OUT.
-# Expects the built libraries in .native/ (NATIVE_DIR names another folder, e.g. a baseline build for an A/B) and the needed fixtures in .fixtures/ (carried). Carry .native in
+# Expects the built libraries in .native/ (NATIVE_DIR names another folder, e.g. a baseline build for an A/B)
+# and the needed fixtures in .fixtures/ (carried). Carry .native in
 # every call that runs our code: on 2026-12-06 a call that carried only .peer parts found no .native, and
 # the engine silently fell back to XLA's paths (a warning in the log, a benchmark 10x slower).
 #   bash bench/gpu_session.sh [ckpt-bg CKPT_DIR] [tests] [memcheck] [sanitize] [tune ARGS...] [bench ARGS...] [wc-tests]

@@ -140,7 +140,7 @@ def _stream_tiles():
 @pytest.mark.parametrize("m,n,k", [
     (1, 4096, 4096),    # batch-1 decode, an 8B o_proj
     (3, 1032, 1040),    # N not a multiple of the CTA's 16 rows, K not of a warp's 256-byte chunk
-    (9, 520, 16),       # K of one 16-byte piece: most lanes load nothing
+    (9, 520, 16),       # K of one 16-byte piece: most lanes' pieces are masked; whole row groups past N
     (17, 2056, 3088),   # M past one and two 8-row column blocks, every edge at once
     (40, 776, 14336),   # several token-row tiles of the grid, a down_proj-sized K
 ])
