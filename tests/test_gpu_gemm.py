@@ -79,6 +79,11 @@ def test_every_compiled_config_is_correct():
 ACCUMULATION_BOUND = {4096: 2.0e-3, 14336: 4.2e-3}
 
 
+def _stream_tiles():
+    """Indices of the weight-streaming configurations in this device's kernel table."""
+    return [t for t in range(native.config_count()) if "stream" in native.config_name(t)]
+
+
 # The weight-streaming configurations ("stream" in the name) accumulate each mma.sync in float32
 # registers: on the H200 their error sat on the float16 output's own rounding (2.08e-4 at both K,
 # 1e-8 above it; 2026-12-06, bench/results/stream_v1_accuracy_h200_2026-12-06d.log).
@@ -131,10 +136,6 @@ def test_fast_accumulation_error_is_bounded_for_every_config(k):
 def test_scheduler_options_are_correct(swizzle, raster, m):
     _check(m, 4096, 1024, "row_col_bias", jnp.bfloat16, seed=m + 10 * swizzle + raster, swizzle=swizzle,
            raster=raster)
-
-
-def _stream_tiles():
-    return [t for t in range(native.config_count()) if "stream" in native.config_name(t)]
 
 
 @pytest.mark.parametrize("m,n,k", [

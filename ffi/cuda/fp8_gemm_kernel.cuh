@@ -89,17 +89,11 @@ struct Fp8Gemm {
       args.epilogue.thread.alpha = p.alpha;
       args.epilogue.thread.beta = 0.0f;
     } else {
-      // A missing vector reads its null_default. alpha rides on a missing token scale if there is
-      // one, else on a missing channel scale (the handler rejects alpha != 1 with both present).
-      float token_default = 1.0f, channel_default = 1.0f;
-      if (p.row_scale == nullptr) {
-        token_default = p.alpha;
-      } else if (p.col_scale == nullptr) {
-        channel_default = p.alpha;
-      }
+      // A missing vector reads its null_default (gemm_launch.h: MissingScaleValues).
+      const MissingScales missing = MissingScaleValues(p);
       args.epilogue.thread = {
-          {p.row_scale, token_default, {}},                 // token scale [M]
-          {{p.col_scale, channel_default, {}}, {}, {}},     // channel scale [N] x acc
+          {p.row_scale, missing.token, {}},                 // token scale [M]
+          {{p.col_scale, missing.channel, {}}, {}, {}},     // channel scale [N] x acc
           {p.bias, 0.0f, {}},                               // bias [N]
           {}};
     }

@@ -2,21 +2,23 @@
 //
 //   out[m, n] = out_type( row_scale[m] * (col_scale[n] * sum_k a[m, k] * b[n, k]) + bias[n] )
 //
-// with alpha riding on a missing scale exactly as in fp8_gemm_kernel.cuh's epilogue.
+// with alpha riding on a missing scale by the table's one rule (gemm_launch.h: MissingScaleValues).
 //
 // Why a kernel of its own: at M <= 16 the GEMM is one pass over the weight, and the CUTLASS
 // configurations spend each CTA's life filling and draining a TMA pipeline around a handful of
 // wgmma tiles, which holds them at 2-3.5 TB/s on 8B-sized layers. Here every warp streams its own
 // slice of K straight from global memory into registers (16-byte loads, several steps in flight,
 // L1 bypassed) and feeds `mma.sync` m16n8k32 e4m3 tensor-core instructions: 16 weight rows as the
-// mma's M, up to 8 token rows as its N. The mma is far from its rate limit; only the bytes matter.
+// mma's M, up to 8 token rows as its N, accumulated in float32 (no FP8 fast accumulation). On sm_90
+// ptxas expands each such mma into fp16 conversions of both operands and two HMMA.16816, so the
+// conversions, not the tensor cores, are its arithmetic cost (bench/RESULTS.md, 2026-12-06).
 //
 // K order inside a step is permuted, identically for both operands (a dot product does not care):
 // lane (g, q) loads 16 contiguous bytes of weight rows g and g + 8 and of token row g at byte
 // 16 q of the step, and hands bytes 0-7 to the first mma of the step and bytes 8-15 to the second,
 // in the register slots where the mma expects K = 4q..4q+3 and 16+4q..16+4q+3. A CTA holds kMTile
 // token rows and 16-64 weight rows (tiles of 16 per warp, groups of warps side by side); the warps
-// of a group split K and add their float32 partial sums in shared memory before the epilogue. Accumulation is the mma's float32 (no FP8 fast-accumulation mode here).
+// of a group split K and add their float32 partial sums in shared memory before the epilogue.
 #ifndef MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 #define MODELOPT_JAX_FFI_CUDA_FP8_STREAM_GEMM_KERNEL_CUH_
 
@@ -73,7 +75,7 @@ struct Operands {
   const float* col_scale;  // [N] or null
   const float* bias;       // [N] or null
   void* out;               // [M, N] of OutT
-  float alpha;
+  MissingScales missing;   // what a null row_scale / col_scale stands for (alpha folded in)
   int m, n, k;
 };
 
@@ -128,6 +130,7 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   // unconditional (a piece past K re-reads the row's first piece; rows past N or M read row 0) and
   // masked to zeros when used, so they are straight-line code; the next pass's loads are issued
   // before this pass's mmas (registers double-buffered), so a warp always has a pass in flight.
+  auto piece_in_k = [&](int k0, int u) { return k0 + u * kStepK + 16 * q < k; };  // K % 16 == 0
   struct Pass {
     uint4 w[kUnroll][2 * kRowTiles];
     uint4 x[kUnroll][kSub];
@@ -135,7 +138,7 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   auto load = [&](int k0, Pass& pass) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int kk = k0 + u * kStepK + 16 * q < k ? k0 + u * kStepK : -16 * q;
+      const int kk = piece_in_k(k0, u) ? k0 + u * kStepK : -16 * q;
 #pragma unroll
       for (int h = 0; h < 2 * kRowTiles; ++h) pass.w[u][h] = LoadWeight(w_row[h] + kk);
 #pragma unroll
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     load(k0 + kStride < k ? k0 + kStride : k0, next);  // the last pass re-reads its own (cached) bytes
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const bool in = k0 + u * kStepK + 16 * q < k;  // K % 16 == 0: a 16-byte piece is wholly in or out
+      const bool in = piece_in_k(k0, u);  // a 16-byte piece is wholly in or out
 #pragma unroll
       for (int t = 0; t < kRowTiles; ++t) {
         const uint4 lo = in && w_ok[2 * t] ? cur.w[u][2 * t] : zero;
@@ -191,16 +194,16 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kKWarps; ++w) sum += partial[w][rw][t][s][src_lane][src_acc];
-    const float token = op.row_scale ? op.row_scale[row] : op.alpha;
-    const float channel = op.col_scale ? op.col_scale[col] : (op.row_scale ? op.alpha : 1.0f);
+    const float token = op.row_scale ? op.row_scale[row] : op.missing.token;
+    const float channel = op.col_scale ? op.col_scale[col] : op.missing.channel;
     float v = token * (channel * sum);
     if (op.bias) v += op.bias[col];
     out[static_cast<size_t>(row) * op.n + col] = Convert<OutT>(v);
   }
 }
 
-// One configuration: token rows per CTA, warps per CTA (each a slice of K), 16-row weight tiles per
-// CTA and steps per warp pass.
+// One configuration: token rows per CTA, warps per CTA, 16-row weight tiles per warp, steps per
+// warp pass, and row groups of warps (see StreamGemm).
 template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps = 1>
 LaunchStatus Run(const LaunchArgs& p) {
   constexpr int kRows = kTileRows * kRowTiles * kRowWarps;
@@ -213,7 +216,7 @@ LaunchStatus Run(const LaunchArgs& p) {
   const dim3 grid((p.m + kMTile - 1) / kMTile, (p.n + kRows - 1) / kRows);
   if (grid.y > 65535) return LaunchStatus::kCannotImplement;
   const Operands op{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.row_scale, p.col_scale,
-                    p.bias, p.out, p.alpha, p.m, p.n, p.k};
+                    p.bias, p.out, MissingScaleValues(p), p.m, p.n, p.k};
   if (p.out_bf16) {
     StreamGemm<kMTile, kWarps, kRowTiles, kUnroll, kRowWarps, __nv_bfloat16><<<grid, kWarps * 32, 0, p.stream>>>(op);
   } else {

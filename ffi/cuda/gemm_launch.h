@@ -26,6 +26,24 @@ struct LaunchArgs {
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
 };
 
+// What a missing scale vector stands for in the epilogue out = token[m] * (channel[n] * acc) + bias[n]:
+// alpha rides on a missing token scale if there is one, else on a missing channel scale (the
+// handler rejects alpha != 1 with both present). Every kernel of the table follows this one rule.
+struct MissingScales {
+  float token = 1.0f;    // used where row_scale is null
+  float channel = 1.0f;  // used where col_scale is null
+};
+
+inline MissingScales MissingScaleValues(const LaunchArgs& p) {
+  MissingScales v;
+  if (p.row_scale == nullptr) {
+    v.token = p.alpha;
+  } else if (p.col_scale == nullptr) {
+    v.channel = p.alpha;
+  }
+  return v;
+}
+
 enum class LaunchStatus { kOk, kCannotImplement, kWorkspace, kInitialize, kRun };
 
 using LaunchFn = LaunchStatus (*)(const LaunchArgs&);
