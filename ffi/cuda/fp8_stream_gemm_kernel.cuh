@@ -79,47 +79,39 @@ struct Operands {
   int m, n, k;
 };
 
-// kRowTiles tiles of 16 weight rows per warp and kRowWarps groups of warps side by side along the
-// rows (more weight rows per token-row load: every CTA reads the token rows; the warps of one K
-// slice in different row groups read the same token bytes, the first from L2, the rest from L1);
-// the kWarps / kRowWarps warps of a row group split K; kUnroll steps of 64 K per warp pass.
-template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps, class OutT>
-__global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
+// One warp's share of a CTA tile: its partial sums over its K slices (k_warp of kKWarps: passes of
+// kUnroll steps of 64 K, kKWarps passes apart) for kRowTiles tiles of 16 weight rows starting at `w`
+// (the first `w_rows` of them real) and kMTile token rows starting at `x` (the first `x_rows` real).
+// Rows past the real ones read as zeros: their loads re-read row 0 of `w` or `x`, which must be in
+// bounds even where no row is real. Both operands are row-major with `k` bytes per row.
+template <int kMTile, int kRowTiles, int kUnroll, int kKWarps>
+__device__ __forceinline__ void StreamSlices(const uint8_t* w, int w_rows, const uint8_t* x, int x_rows, int k,
+                                             int k_warp, float (&acc)[kRowTiles][kMTile / 8][4]) {
   static_assert(kMTile == 8 || kMTile == 16, "token rows per CTA: one or two mma column blocks");
   constexpr int kSub = kMTile / 8;
-  static_assert(kWarps % kRowWarps == 0, "every row group has the same number of K slices");
-  constexpr int kKWarps = kWarps / kRowWarps;          // warps splitting K within a row group
-  constexpr int kWarpRows = kTileRows * kRowTiles;     // weight rows per warp
-  constexpr int kRows = kWarpRows * kRowWarps;         // weight rows per CTA
   constexpr int kChunkK = kStepK * kUnroll;  // contiguous bytes of each weight row per warp pass
-  __shared__ float partial[kKWarps][kRowWarps][kRowTiles][kSub][32][4];
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
-  const int row_warp = warp % kRowWarps, k_warp = warp / kRowWarps;
-  const int n0 = blockIdx.y * kRows + row_warp * kWarpRows, m0 = blockIdx.x * kMTile;  // this warp's rows
-  const int k = op.k;
 
-  // Rows past N or M read as zeros (their outputs are not stored). Weight row 8 h + g of the CTA
-  // (h = 2 t for row tile t's upper half, 2 t + 1 for its lower) is this lane's w_row[h].
+  // Weight row 8 h + g (h = 2 t for row tile t's upper half, 2 t + 1 for its lower) is this lane's
+  // w_row[h]; token row 8 s + g its x_row[s].
   bool w_ok[2 * kRowTiles];
   const uint8_t* w_row[2 * kRowTiles];
 #pragma unroll
   for (int h = 0; h < 2 * kRowTiles; ++h) {
-    const int row = n0 + 8 * h + g;
-    w_ok[h] = row < op.n;
-    w_row[h] = op.b + static_cast<size_t>(w_ok[h] ? row : 0) * k + 16 * q;
+    const int row = 8 * h + g;
+    w_ok[h] = row < w_rows;
+    w_row[h] = w + static_cast<size_t>(w_ok[h] ? row : 0) * k + 16 * q;
   }
   bool x_ok[kSub];
   const uint8_t* x_row[kSub];
 #pragma unroll
   for (int s = 0; s < kSub; ++s) {
-    const int row = m0 + 8 * s + g;
-    x_ok[s] = row < op.m;
-    x_row[s] = op.a + static_cast<size_t>(x_ok[s] ? row : 0) * k + 16 * q;
+    const int row = 8 * s + g;
+    x_ok[s] = row < x_rows;
+    x_row[s] = x + static_cast<size_t>(x_ok[s] ? row : 0) * k + 16 * q;
   }
 
-  float acc[kRowTiles][kSub][4];
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) {
 #pragma unroll
@@ -127,9 +119,9 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
   }
 
   // One warp pass: kUnroll steps of every weight row and token row of the lane. Loads are
-  // unconditional (a piece past K re-reads the row's first piece; rows past N or M read row 0) and
-  // masked to zeros when used, so they are straight-line code; the next pass's loads are issued
-  // before this pass's mmas (registers double-buffered), so a warp always has a pass in flight.
+  // unconditional (a piece past K re-reads the row's first piece; rows past the real ones read the
+  // first row) and masked to zeros when used, so they are straight-line code; the next pass's loads
+  // are issued before this pass's mmas (registers double-buffered), so a warp always has a pass in flight.
   auto piece_in_k = [&](int k0, int u) { return k0 + u * kStepK + 16 * q < k; };  // K % 16 == 0
   struct Pass {
     uint4 w[kUnroll][2 * kRowTiles];
@@ -169,34 +161,74 @@ __global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
     }
     cur = next;
   }
+}
 
+// A CTA's float32 partial sums in shared memory: kKWarps K slices of kRowWarps row groups, each a
+// warp's kRowTiles x kSub m16n8 accumulator fragments.
+template <int kKWarps, int kRowWarps, int kRowTiles, int kSub>
+struct Partials {
+  static constexpr int kWarpRows = kTileRows * kRowTiles;  // weight rows per warp
+  float v[kKWarps][kRowWarps][kRowTiles][kSub][32][4];
+
+  __device__ __forceinline__ void Store(int k_warp, int row_warp, const float (&acc)[kRowTiles][kSub][4]) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int t = 0; t < kRowTiles; ++t) {
+    for (int t = 0; t < kRowTiles; ++t) {
 #pragma unroll
-    for (int s = 0; s < kSub; ++s) {
+      for (int s = 0; s < kSub; ++s) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[k_warp][row_warp][t][s][lane][i] = acc[t][s][i];
+        for (int i = 0; i < 4; ++i) v[k_warp][row_warp][t][s][lane][i] = acc[t][s][i];
+      }
     }
   }
+
+  // The sum over K of (token c, weight row r) of the CTA. It sits in row group r / kWarpRows, that
+  // warp's row tile (r % kWarpRows) / 16, column block c / 8, lane (r % 8) * 4 + (c % 8) / 2,
+  // accumulator ((r % 16) / 8) * 2 + c % 2 (the m16n8 D fragment), once per K slice.
+  __device__ __forceinline__ float Sum(int r, int c) const {
+    const int rw = r / kWarpRows, t = (r % kWarpRows) / kTileRows, s = c / 8, cc = c % 8;
+    const int src_lane = (r % 8) * 4 + cc / 2, src_acc = ((r % kTileRows) / 8) * 2 + cc % 2;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kKWarps; ++w) sum += v[w][rw][t][s][src_lane][src_acc];
+    return sum;
+  }
+};
+
+// kRowTiles tiles of 16 weight rows per warp and kRowWarps groups of warps side by side along the
+// rows (more weight rows per token-row load: every CTA reads the token rows; the warps of one K
+// slice in different row groups read the same token bytes, the first from L2, the rest from L1);
+// the kWarps / kRowWarps warps of a row group split K; kUnroll steps of 64 K per warp pass.
+template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps, class OutT>
+__global__ void __launch_bounds__(kWarps * 32) StreamGemm(const Operands op) {
+  constexpr int kSub = kMTile / 8;
+  static_assert(kWarps % kRowWarps == 0, "every row group has the same number of K slices");
+  constexpr int kKWarps = kWarps / kRowWarps;          // warps splitting K within a row group
+  constexpr int kWarpRows = kTileRows * kRowTiles;     // weight rows per warp
+  constexpr int kRows = kWarpRows * kRowWarps;         // weight rows per CTA
+  __shared__ Partials<kKWarps, kRowWarps, kRowTiles, kSub> partial;
+
+  const int warp = threadIdx.x >> 5;
+  const int row_warp = warp % kRowWarps, k_warp = warp / kRowWarps;
+  const int n0 = blockIdx.y * kRows + row_warp * kWarpRows, m0 = blockIdx.x * kMTile;  // this warp's rows
+  // A warp whose rows all lie past N streams (and masks) the weight's first rows: loads stay in bounds.
+  const bool rows_in = n0 < op.n;
+  float acc[kRowTiles][kSub][4];
+  StreamSlices<kMTile, kRowTiles, kUnroll, kKWarps>(op.b + static_cast<size_t>(rows_in ? n0 : 0) * op.k,
+                                                    rows_in ? op.n - n0 : 0, op.a + static_cast<size_t>(m0) * op.k,
+                                                    op.m - m0, op.k, k_warp, acc);
+  partial.Store(k_warp, row_warp, acc);
   __syncthreads();
 
-  // Output (token c, weight row r) of the CTA sits in row group r / kWarpRows, that warp's row tile
-  // (r % kWarpRows) / 16, column block c / 8, lane (r % 8) * 4 + (c % 8) / 2, accumulator
-  // ((r % 16) / 8) * 2 + c % 2 (the m16n8 D fragment), summed over the group's K slices.
   // Consecutive threads take consecutive weight rows, so the stores of one token row are contiguous.
   OutT* out = static_cast<OutT*>(op.out);
   for (int o = threadIdx.x; o < kRows * kMTile; o += kWarps * 32) {
     const int r = o % kRows, c = o / kRows;
     const int row = m0 + c, col = blockIdx.y * kRows + r;
     if (row >= op.m || col >= op.n) continue;
-    const int rw = r / kWarpRows, t = (r % kWarpRows) / kTileRows, s = c / 8, cc = c % 8;
-    const int src_lane = (r % 8) * 4 + cc / 2, src_acc = ((r % kTileRows) / 8) * 2 + cc % 2;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kKWarps; ++w) sum += partial[w][rw][t][s][src_lane][src_acc];
     const float token = op.row_scale ? op.row_scale[row] : op.missing.token;
     const float channel = op.col_scale ? op.col_scale[col] : op.missing.channel;
-    float v = token * (channel * sum);
+    float v = token * (channel * partial.Sum(r, c));
     if (op.bias) v += op.bias[col];
     out[static_cast<size_t>(row) * op.n + col] = Convert<OutT>(v);
   }

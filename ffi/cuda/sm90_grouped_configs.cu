@@ -11,12 +11,31 @@ size_t Sm90Grouped128x128Workspace(const GroupedLaunchArgs&);
 LaunchStatus RunSm90Grouped128x128(const GroupedLaunchArgs&, void*);
 size_t Sm90Grouped128x256Workspace(const GroupedLaunchArgs&);
 LaunchStatus RunSm90Grouped128x256(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream64x8Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream64x8(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream32x8Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream32x8(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream32x8U2Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream32x8U2(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream64x16Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream64x16(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream64x8U2Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream64x8U2(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream32x8W4U2Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream32x8W4U2(const GroupedLaunchArgs&, void*);
 
 const GroupedKernelConfig kSm90GroupedConfigs[] = {
     {"sm90 grouped swapab 64x16x256 pingpong", Sm90GroupedSwap16Workspace, RunSm90GroupedSwap16},
     {"sm90 grouped swapab 64x64x256 pingpong", Sm90GroupedSwap64Workspace, RunSm90GroupedSwap64},
     {"sm90 grouped 128x128x128 pingpong", Sm90Grouped128x128Workspace, RunSm90Grouped128x128},
     {"sm90 grouped 128x256x128 coop", Sm90Grouped128x256Workspace, RunSm90Grouped128x256},
+    // weight-streaming (fp8_grouped_stream_kernel.cuh): float32 accumulation, no setup kernel or workspace
+    {"sm90 grouped stream 64x8 4x2 warps", Sm90GroupedStream64x8Workspace, RunSm90GroupedStream64x8},
+    {"sm90 grouped stream 32x8 2x4 warps", Sm90GroupedStream32x8Workspace, RunSm90GroupedStream32x8},
+    {"sm90 grouped stream 32x8 2x4 warps unroll 2", Sm90GroupedStream32x8U2Workspace, RunSm90GroupedStream32x8U2},
+    {"sm90 grouped stream 64x16 4x2 warps", Sm90GroupedStream64x16Workspace, RunSm90GroupedStream64x16},
+    {"sm90 grouped stream 64x8 4x2 warps unroll 2", Sm90GroupedStream64x8U2Workspace, RunSm90GroupedStream64x8U2},
+    {"sm90 grouped stream 32x8 2x2 warps unroll 2", Sm90GroupedStream32x8W4U2Workspace, RunSm90GroupedStream32x8W4U2},
 };
 const int kNumSm90GroupedConfigs = sizeof(kSm90GroupedConfigs) / sizeof(kSm90GroupedConfigs[0]);
 
