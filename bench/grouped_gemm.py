@@ -3,6 +3,7 @@
     python bench/grouped_gemm.py [--shape qwen3-30b-a3b,mixtral-8x7b] [--proj gate_up,down]
                                  [--tokens 1,8,64,512,2048,8192] [--routing uniform,skewed]
                                  [--backends ffi,xla,xla-loop,torch] [--tile=-1[,T...]] [--repeats 5]
+                                 [--device-timing]
 
 Rows are the tokens' top-k picks sorted by expert (what models/moe.py feeds the op), bf16 output,
 static scales (a per-expert column factor). Backends:
@@ -13,8 +14,10 @@ static scales (a per-expert column factor). Backends:
   run for up to 16 experts);
 - ``torch``: ``torch._scaled_grouped_mm`` (CUTLASS grouped GEMM in PyTorch, row-wise scales), else a
   loop of ``torch._scaled_mm`` over the non-empty experts.
-On a GPU each JAX time is device-side (bench/timing.py: R distinct operand sets in one program, so
-weights stream from HBM, not L2); torch uses CUDA events over the same rotation. TB/s counts the
+On a GPU each JAX time is one program's wall time over R distinct operand sets (bench/timing.py: so
+weights stream from HBM, not L2) divided by R, torch's CUDA events over the same rotation; both carry
+launch costs, which dominate ops of a few microseconds. ``--device-timing`` reports the GPU kernel
+time per call instead (CUPTI: every kernel the op launches, for ours and torch alike). TB/s counts the
 weight bytes of the experts the tokens touch plus activations and output. The ratio columns are ours
 over the best XLA path and over torch.
 """
@@ -31,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.timing import repetitions, time_jax, time_torch  # noqa: E402
+from bench.timing import device_time_jax, device_time_torch, repetitions, time_jax, time_torch  # noqa: E402
 from modelopt_jax.ops.grouped_gemm import grouped_fp8_gemm  # noqa: E402
 
 # experts, top-k, hidden, expert intermediate
@@ -86,7 +89,7 @@ def _torch_fn(n_experts):
     return grouped if hasattr(torch, "_scaled_grouped_mm") else loop, loop
 
 
-def _time_torch(w_np, x_np, sizes, col, reps):
+def _time_torch(w_np, x_np, sizes, col, reps, device_timing=False):
     import torch
 
     dev = torch.device("cuda")
@@ -105,7 +108,8 @@ def _time_torch(w_np, x_np, sizes, col, reps):
             torch.cuda.synchronize()
             if out.shape[0] < int(sizes.sum()):
                 raise RuntimeError(f"returned {tuple(out.shape)}")
-            t = time_torch(lambda xx, ww: fn(xx, ww, offs, scale_a, scale_b), [x] * reps, ws)
+            timer = device_time_torch if device_timing else time_torch
+            t = timer(lambda xx, ww: fn(xx, ww, offs, scale_a, scale_b), [x] * reps, ws)
             return t, name
         except Exception as e:  # noqa: BLE001 -- an unsupported torch path is reported, the next one tried
             print(f"    ({name} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
@@ -122,6 +126,9 @@ def main():
     ap.add_argument("--tile", default="-1", help="our CUDA configurations, comma-separated (-1: the handler's "
                                                 "choice); each gets a column, the ratios use the fastest")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device-timing", action="store_true",
+                    help="GPU kernel time per call (CUPTI, every kernel of the op) instead of the program's wall "
+                         "time / R, which carries the program's launch; for ops of a few microseconds")
     args = ap.parse_args()
     tiles = [int(t) for t in args.tile.split(",")]
     backends = []
@@ -149,7 +156,7 @@ def main():
                         if backend == "torch":
                             if jax.default_backend() != "gpu":
                                 continue
-                            t, name = _time_torch(w, x, sizes, col, reps)
+                            t, name = _time_torch(w, x, sizes, col, reps, args.device_timing)
                             if t is not None:
                                 times["torch"] = t
                             continue
@@ -163,7 +170,8 @@ def main():
                                 xx, ww, sizes, col, out_dtype=jnp.bfloat16, backend=b,
                                 tile=t if b == "ffi" else -1)
                         try:
-                            times[backend] = time_jax(fn, xs, ws, args.repeats)
+                            times[backend] = (device_time_jax(fn, xs, ws) if args.device_timing
+                                              else time_jax(fn, xs, ws, args.repeats))
                         except Exception as e:  # noqa: BLE001 -- a configuration that cannot run this shape
                             print(f"    ({backend} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]})")
                     ours = {b: t for b, t in times.items() if b.startswith("ffi")}
