@@ -159,7 +159,10 @@ class DecoderLayer(nnx.Module):
     def step(self, x, keys, values, step: PagedStep):
         attn, keys, values = self.self_attn.step(self.input_layernorm(x), keys, values, step)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+        h = self.post_attention_layernorm(x)
+        # a sparse block skips the step's padding tokens (their outputs are ignored anyway)
+        mlp = self.mlp(h, real=step.real_tokens) if isinstance(self.mlp, SparseMoE) else self.mlp(h)
+        return x + mlp, keys, values
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -48,11 +48,17 @@ class SparseMoE(nnx.Module):
     def num_experts(self) -> int:
         return self.gate_up.weight.shape[0]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, real: jax.Array | None = None) -> jax.Array:
+        """``real`` (optional, one entry per token of ``x``): nonzero for tokens to compute; the others
+        (an engine step's padding) pick no expert, so the grouped GEMMs neither stream weights for
+        them nor compute them (they sort after every group: rows past the sizes' sum are zeros), and
+        their output is zero."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.router(tokens), self.top_k, self.normalize)  # [T, k]
         picks = experts.reshape(-1)                                                 # [T * k]
+        if real is not None:  # expert id E: past every group (bincount's length drops it)
+            picks = jnp.where(jnp.repeat(real.reshape(-1) != 0, self.top_k), picks, self.num_experts)
         order = jnp.argsort(picks, stable=True)        # rows grouped by expert, ascending
         token_of_row = order // self.top_k
         group_sizes = jnp.bincount(picks, length=self.num_experts).astype(jnp.int32)

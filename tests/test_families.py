@@ -80,6 +80,34 @@ def _routes(model, ids) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     return routes
 
 
+@pytest.mark.parametrize("name", sorted(MOE_FIXTURES))
+def test_padding_tokens_route_to_no_expert(float32_models, name, monkeypatch):
+    """An engine step's padding tokens (``real`` 0) pick no expert: the grouped GEMMs get only the real
+    tokens' rows in their groups (the padding's rows sort past the sizes' sum), the real tokens'
+    outputs are what they are without padding beside them, and the padding's output is zero."""
+    import modelopt_jax.layers as layers
+
+    model = float32_models[name]
+    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "router"))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((10, moe.router.weight.shape[-1])), jnp.float32)
+    real = jnp.asarray([1, 1, 0, 1, 0, 0, 1, 1, 1, 0], jnp.int32)
+    sizes_seen = []
+    grouped = layers.grouped_fp8_gemm
+
+    def spy(x_q, w_q, group_sizes, *a, **k):
+        sizes_seen.append(np.asarray(group_sizes))
+        return grouped(x_q, w_q, group_sizes, *a, **k)
+
+    monkeypatch.setattr(layers, "grouped_fp8_gemm", spy)
+    masked = np.asarray(moe(x, real=real))
+    alone = np.asarray(moe(x[np.asarray(real) == 1]))
+    assert len(sizes_seen) == 4  # gate_up and down of each call
+    assert all(int(s.sum()) == int(real.sum()) * moe.top_k for s in sizes_seen)
+    np.testing.assert_allclose(masked[np.asarray(real) == 1], alone, rtol=1e-6, atol=1e-6)
+    assert (masked[np.asarray(real) == 0] == 0).all()
+
+
 @pytest.mark.parametrize("name", FAMILY_FIXTURES)
 def test_bfloat16_compute_is_bounded(float32_models, name):
     """bf16 rounds every activation to 8 bits: bounded like the dense fixtures (tests/test_fixture_logits.py),

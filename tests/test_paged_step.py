@@ -70,8 +70,9 @@ def _mixed_step(seed, *, heads=8, kv_heads=2, head_dim=64, pool_dtype="bfloat16"
     t = len(positions)
     ids = rng.integers(1, 100, t)
     i32 = lambda a: jnp.asarray(np.asarray(a), jnp.int32)  # noqa: E731
+    real = [1] * len(decodes) + [0] * pad_decode + [1] * k + [0] * pad_prompt
     step = PagedStep(i32(ids), i32(positions), i32(slots), i32(np.stack(tables)), i32(prompt_tokens), i32(logit_index),
-                     d, config)
+                     d, config, real_tokens=i32(real))
     step.check()
     pool_shape = (num_pages * PAGE, kv_heads, head_dim)
     k_pool = jnp.asarray(rng.standard_normal(pool_shape), pool_dtype)
@@ -178,9 +179,11 @@ def test_the_sections_of_a_mixed_step_equal_each_section_alone():
     _, (mixed, _, _) = _run(step, q, k_new, v_new, k_pool, v_pool)
     d = step.num_decode
     decode_only = PagedStep(step.input_ids[:d], step.positions[:d], step.slots[:d], step.block_tables[:d],
-                            jnp.zeros((0, 1), jnp.int32), step.logit_index[:d], d, step.attention)
+                            jnp.zeros((0, 1), jnp.int32), step.logit_index[:d], d, step.attention,
+                            real_tokens=step.real_tokens[:d])
     prompt_only = PagedStep(step.input_ids[d:], step.positions[d:], step.slots[d:], step.block_tables[d:],
-                            step.prompt_tokens, step.logit_index[d:] - d, 0, step.attention)
+                            step.prompt_tokens, step.logit_index[d:] - d, 0, step.attention,
+                            real_tokens=step.real_tokens[d:])
     # each section alone over the pools the whole step writes (a mixed step's rows read disjoint pages)
     _, (alone_d, _, _) = _run(decode_only, q[:d], k_new[:d], v_new[:d], *_written(step, k_new, v_new, k_pool, v_pool))
     _, (alone_p, _, _) = _run(prompt_only, q[d:], k_new[d:], v_new[d:], *_written(step, k_new, v_new, k_pool, v_pool))
@@ -244,6 +247,7 @@ def _broken(step, field):
         "logit_index": dataclasses.replace(step, logit_index=i32(d - 1)),
         "num_decode": dataclasses.replace(step, num_decode=r + 1),
         "dtype": dataclasses.replace(step, slots=step.slots.astype(jnp.float32)),
+        "real_tokens": dataclasses.replace(step, real_tokens=i32(t - 2)),
     }[field]
 
 
@@ -256,6 +260,7 @@ def _broken(step, field):
     ("logit_index", r"PagedStep.logit_index has shape \(7,\), expected \(S,\) with S >= num_decode=8"),
     ("num_decode", r"PagedStep.num_decode=13 must be within"),
     ("dtype", r"PagedStep.slots must be int32, got float32"),
+    ("real_tokens", r"PagedStep.real_tokens has shape \(\d+,\), expected \(\d+,\) like input_ids"),
 ])
 def test_each_field_of_the_step_has_its_shape_rule(field, match):
     step = _mixed_step(3)[0]

@@ -119,11 +119,15 @@ ffi::Error Fp8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
 }  // namespace
 }  // namespace modelopt_jax::cuda
 
-// Not command-buffer compatible (it asks the runtime for the device and may memset).
+// Command-buffer compatible, as the dense handler: everything it enqueues (kernels, a memset) can be
+// captured into a CUDA graph, and its host-side choices depend on shapes and attributes only. Without
+// it XLA ended a graph at every grouped call: on a 12-layer Qwen3-30B-A3B decode step each layer
+// waited 28-85 us for the next graph's launch after its experts (bench/RESULTS.md, 2026-12-07).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptFp8GroupedGemmCuda, modelopt_jax::cuda::Fp8GroupedGemmCuda,
                               modelopt_jax::BindFp8GroupedGemmOperands(
                                   xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>())
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace [W] uint8
+                                  .Ret<xla::ffi::AnyBuffer>(),  // workspace [W] uint8
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Bytes of the uint8 workspace result a call with these dimensions needs on the current device
 // (every configuration fits it, plus alignment slack); -1 where no configuration is compiled for

@@ -16,10 +16,11 @@
 // move, once.
 //
 // Grid: x = tiles of weight rows (N), y = slots. Slot j takes the j-th non-empty group in group
-// order (there are at most min(G, M) of them); a CTA whose slot has no group exits. A group with
-// more token rows than a CTA holds is walked in tiles of kMTile rows (its weight tile is read again
-// from L2). Slot 0's CTAs also write the tail (zeros past the sum, or NaN everywhere) for their
-// columns, so one launch does the whole op.
+// order (there are at most min(G, M) of them); CTA y works on slots y, y + grid.y, ... until one has
+// no group (grid.y is capped at a few CTAs per SM). A group with more token rows than a CTA holds is
+// walked in tiles of kMTile rows (its weight tile is read again from L2). The CTAs of y = 0 also
+// write the tail (zeros past the sum, or NaN everywhere) for their columns, so one launch does the
+// whole op.
 #ifndef MODELOPT_JAX_FFI_CUDA_FP8_GROUPED_STREAM_KERNEL_CUH_
 #define MODELOPT_JAX_FFI_CUDA_FP8_GROUPED_STREAM_KERNEL_CUH_
 
@@ -27,6 +28,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -49,9 +51,9 @@ struct Operands {
   int m, n, k, groups;
 };
 
-// What a scan of the group sizes tells one slot: the totals every CTA needs, and its own group.
+// What a scan of the group sizes tells a CTA (shared), and the group of the slot it works on.
 struct Slot {
-  int group;    // the slot's group (-1: fewer non-empty groups than slots)
+  int group;    // the slot's group (-1: fewer non-empty groups than this slot's index)
   int offset;   // its first row
   int rows;     // its rows
   int total;    // rows in groups (the tail starts here)
@@ -72,46 +74,57 @@ struct AddCounts {
   }
 };
 
-// Every thread of the block calls it; on return `slot` (shared) is filled for slot index `j`.
-// Each thread sums a run of consecutive groups, a block scan combines the runs, then the thread
-// whose run holds the j-th non-empty group names it.
+// Each thread's run of consecutive groups and what the groups before it hold: one block scan per
+// CTA, after which any slot's group is found by the one thread whose run holds it (NameSlot).
 template <int kThreads>
-__device__ __forceinline__ void FindSlot(const Operands& op, int j, Slot& slot) {
-  using Scan = cub::BlockScan<Counts, kThreads>;
-  __shared__ typename Scan::TempStorage storage;
-  const int per_thread = (op.groups + kThreads - 1) / kThreads;
-  const int first = threadIdx.x * per_thread;
-  const int last = min(first + per_thread, op.groups);
-  Counts run{0, 0, 0};
-  for (int g = first; g < last; ++g) {
-    const int size = op.group_sizes[g];
-    run.rows += size;
-    run.nonempty += size > 0;
-    run.negative |= size < 0;
-  }
-  Counts before, all;
-  Scan(storage).ExclusiveScan(run, before, Counts{0, 0, 0}, AddCounts(), all);
-  if (threadIdx.x == 0) {
-    slot.group = -1;
-    slot.invalid = all.negative != 0 || all.rows > op.m;
-    slot.total = slot.invalid ? 0 : static_cast<int>(all.rows);
-  }
-  __syncthreads();
-  if (!(all.negative != 0 || all.rows > op.m) && before.nonempty <= j && j < before.nonempty + run.nonempty) {
-    int index = before.nonempty;
-    long long offset = before.rows;
+struct GroupScan {
+  int first, last;  // this thread's groups [first, last)
+  Counts run;       // what they hold
+  Counts before;    // what the groups before them hold
+
+  // Every thread calls it; fills slot.total / slot.invalid.
+  __device__ __forceinline__ void Run(const Operands& op, Slot& slot) {
+    using Scan = cub::BlockScan<Counts, kThreads>;
+    __shared__ typename Scan::TempStorage storage;
+    const int per_thread = (op.groups + kThreads - 1) / kThreads;
+    first = threadIdx.x * per_thread;
+    last = min(first + per_thread, op.groups);
+    run = Counts{0, 0, 0};
     for (int g = first; g < last; ++g) {
       const int size = op.group_sizes[g];
-      if (size > 0 && index++ == j) {
-        slot.group = g;
-        slot.offset = static_cast<int>(offset);
-        slot.rows = size;
-      }
-      offset += size;
+      run.rows += size;
+      run.nonempty += size > 0;
+      run.negative |= size < 0;
+    }
+    Counts all;
+    Scan(storage).ExclusiveScan(run, before, Counts{0, 0, 0}, AddCounts(), all);
+    if (threadIdx.x == 0) {
+      slot.invalid = all.negative != 0 || all.rows > op.m;
+      slot.total = slot.invalid ? 0 : static_cast<int>(all.rows);
     }
   }
-  __syncthreads();
-}
+
+  // Every thread calls it (after Run and a barrier, or after the previous slot's last barrier); on
+  // return slot.group / offset / rows name the j-th non-empty group (group -1: there is none).
+  __device__ __forceinline__ void NameSlot(const Operands& op, int j, Slot& slot) {
+    if (threadIdx.x == 0) slot.group = -1;
+    __syncthreads();
+    if (before.nonempty <= j && j < before.nonempty + run.nonempty) {
+      int index = before.nonempty;
+      long long offset = before.rows;
+      for (int g = first; g < last; ++g) {
+        const int size = op.group_sizes[g];
+        if (size > 0 && index++ == j) {
+          slot.group = g;
+          slot.offset = static_cast<int>(offset);
+          slot.rows = size;
+        }
+        offset += size;
+      }
+    }
+    __syncthreads();
+  }
+};
 
 template <int kMTile, int kWarps, int kRowTiles, int kUnroll, int kRowWarps, class OutT>
 __global__ void __launch_bounds__(kWarps * 32) GroupedStreamGemm(const Operands op) {
@@ -124,7 +137,9 @@ __global__ void __launch_bounds__(kWarps * 32) GroupedStreamGemm(const Operands 
   __shared__ stream_gemm::Partials<kKWarps, kRowWarps, kRowTiles, kSub> partial;
   __shared__ Slot slot;
 
-  FindSlot<kThreads>(op, blockIdx.y, slot);
+  GroupScan<kThreads> scan;
+  scan.Run(op, slot);
+  __syncthreads();
   const int col0 = blockIdx.x * kRows;
   const int cols = min(kRows, op.n - col0);
   OutT* out = static_cast<OutT*>(op.out);
@@ -137,32 +152,36 @@ __global__ void __launch_bounds__(kWarps * 32) GroupedStreamGemm(const Operands 
       out[static_cast<size_t>(row) * op.n + col] = fill;
     }
   }
-  if (slot.invalid || slot.group < 0) return;
+  if (slot.invalid) return;
 
   const int warp = threadIdx.x >> 5;
   const int row_warp = warp % kRowWarps, k_warp = warp / kRowWarps;
-  const int n0 = col0 + row_warp * kWarpRows;  // this warp's first weight row within the expert
+  const int n0 = col0 + row_warp * kWarpRows;  // this warp's first weight row within an expert
   const bool rows_in = n0 < op.n;  // else it streams (and masks) the expert's first rows
-  const uint8_t* w = op.b + (static_cast<size_t>(slot.group) * op.n + (rows_in ? n0 : 0)) * op.k;
-  const float* col_scale = op.col_scale + static_cast<size_t>(slot.group) * op.n;
-  for (int start = 0; start < slot.rows; start += kMTile) {
-    const int row0 = slot.offset + start;
-    float acc[kRowTiles][kSub][4];
-    stream_gemm::StreamSlices<kMTile, kRowTiles, kUnroll, kKWarps>(
-        w, rows_in ? op.n - n0 : 0, op.a + static_cast<size_t>(row0) * op.k, slot.rows - start, op.k, k_warp, acc);
-    partial.Store(k_warp, row_warp, acc);
-    __syncthreads();
-    // Consecutive threads take consecutive columns, so the stores of one token row are contiguous.
-    const int rows = min(kMTile, slot.rows - start);
-    for (int o = threadIdx.x; o < kRows * kMTile; o += kThreads) {
-      const int r = o % kRows, c = o / kRows;
-      if (c >= rows || r >= cols) continue;
-      const int row = row0 + c, col = col0 + r;
-      const float token = op.row_scale ? op.row_scale[row] : 1.0f;
-      out[static_cast<size_t>(row) * op.n + col] =
-          stream_gemm::Convert<OutT>(token * (col_scale[col] * partial.Sum(r, c)));
+  for (int j = blockIdx.y;; j += gridDim.y) {  // this CTA's slots
+    scan.NameSlot(op, j, slot);
+    if (slot.group < 0) return;
+    const uint8_t* w = op.b + (static_cast<size_t>(slot.group) * op.n + (rows_in ? n0 : 0)) * op.k;
+    const float* col_scale = op.col_scale + static_cast<size_t>(slot.group) * op.n;
+    for (int start = 0; start < slot.rows; start += kMTile) {
+      const int row0 = slot.offset + start;
+      float acc[kRowTiles][kSub][4];
+      stream_gemm::StreamSlices<kMTile, kRowTiles, kUnroll, kKWarps>(
+          w, rows_in ? op.n - n0 : 0, op.a + static_cast<size_t>(row0) * op.k, slot.rows - start, op.k, k_warp, acc);
+      partial.Store(k_warp, row_warp, acc);
+      __syncthreads();
+      // Consecutive threads take consecutive columns, so the stores of one token row are contiguous.
+      const int rows = min(kMTile, slot.rows - start);
+      for (int o = threadIdx.x; o < kRows * kMTile; o += kThreads) {
+        const int r = o % kRows, c = o / kRows;
+        if (c >= rows || r >= cols) continue;
+        const int row = row0 + c, col = col0 + r;
+        const float token = op.row_scale ? op.row_scale[row] : 1.0f;
+        out[static_cast<size_t>(row) * op.n + col] =
+            stream_gemm::Convert<OutT>(token * (col_scale[col] * partial.Sum(r, c)));
+      }
+      __syncthreads();  // the partial sums and the slot are overwritten next
     }
-    __syncthreads();  // the partial sums are overwritten by the next row tile
   }
 }
 
@@ -178,9 +197,16 @@ struct Config {
     if ((reinterpret_cast<uintptr_t>(p.a) | reinterpret_cast<uintptr_t>(p.b)) % 16 != 0) {
       return LaunchStatus::kCannotImplement;
     }
-    const int slots = p.groups < p.m ? p.groups : p.m;
-    const dim3 grid((p.n + kRows - 1) / kRows, slots);
-    if (slots < 1 || grid.y > 65535) return LaunchStatus::kCannotImplement;
+    // Slots: at most one per group that can be non-empty (min(G, M)), and no more than keep about
+    // kCtasPerSm CTAs per SM in all: a CTA walks slots y, y + grid.y, ... (the non-empty groups are
+    // device data, so a grid sized for every possible group would mostly start CTAs that only scan).
+    constexpr int kCtasPerSm = 8;
+    const int col_tiles = (p.n + kRows - 1) / kRows;
+    const long long most = std::max<long long>(1, static_cast<long long>(kCtasPerSm) * std::max(p.sm_count, 1) /
+                                                      col_tiles);
+    const int slots = static_cast<int>(std::min<long long>({p.groups, p.m, most, 65535}));
+    const dim3 grid(col_tiles, slots);
+    if (slots < 1 || col_tiles > INT32_MAX) return LaunchStatus::kCannotImplement;
     const Operands op{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.group_sizes,
                       p.col_scale, p.row_scale, p.out, p.m, p.n, p.k, p.groups};
     if (p.out_bf16) {

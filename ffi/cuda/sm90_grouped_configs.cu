@@ -40,11 +40,14 @@ const GroupedKernelConfig kSm90GroupedConfigs[] = {
 const int kNumSm90GroupedConfigs = sizeof(kSm90GroupedConfigs) / sizeof(kSm90GroupedConfigs[0]);
 
 int ChooseSm90GroupedConfig(int m, int /*n*/, int k, int groups) {
-  // At most 8 rows in all (one token's top-k picks): the streaming kernel, by GPU kernel time on
-  // an H100 (bench/grouped_gemm.py --device-timing, 2026-12-07): unroll 2 on short K (Qwen3-30B-A3B
-  // experts: 13.8 vs 18.3 us gate_up, 8.4 vs 14.4 down), unroll 4 on long K (Mixtral down, K
-  // 14336: 44.1 vs 49.4); at K 4096 (Mixtral gate_up) CUTLASS stayed ahead (86.4 vs 87.4).
+  // Few rows in all: the streaming kernel, by GPU kernel time on an H100 (bench/grouped_gemm.py
+  // --device-timing, 2026-12-07). One token's top-8 (8 rows) on Qwen3-30B-A3B's experts (K 2048 /
+  // 768): 13.8 vs 18.3 us gate_up, 8.4 vs 14.4 down; 8 tokens (64 rows over 56 experts): 72.2 vs
+  // 71.9 and 41.1 vs 44.6 (32-row tiles). Padded engine steps hand it 64 rows with the padding
+  // routed to no expert. On long K (Mixtral down, K 14336) unroll 4: 44.1 vs 49.4 at 2 rows; at K
+  // 4096 (Mixtral gate_up) CUTLASS stayed ahead (86.4 vs 87.4).
   if (m <= 8 && k <= 2048) return 8;
+  if (m <= 64 && k <= 2048) return 9;
   if (m <= 8 && k >= 8192) return 4;
   // Else rows per expert under uniform routing.
   const int per_group = groups > 0 ? (m + groups - 1) / groups : m;

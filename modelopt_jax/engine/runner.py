@@ -522,7 +522,8 @@ class Runner:
                          first_pages=None if self.attention.sliding_window is None else first_pages,
                          shared_tables=None if plan is None else plan.tables,
                          shared_rows=None if plan is None else plan.rows,
-                         shared_lengths=None if plan is None else _padded(plan.lengths, nd))
+                         shared_lengths=None if plan is None else _padded(plan.lengths, nd),
+                         real_tokens=_padded([1] * len(decode) + [0] * pad + [1] * offset, t))
         ordered = [r for r, _ in decode] + [r for r, _ in prompt]
         params = [r.params for r in ordered]
         s = shape.sampled_rows

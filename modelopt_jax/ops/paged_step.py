@@ -169,6 +169,8 @@ class PagedStep:
     shared_lengths: jax.Array | None = None  # [num_decode] tokens of its line's shared prefix each decode row reads
                                   # through shared_tables (a multiple of page_size, below its position; 0: on
                                   # no line), its own pages after them through block_tables. None: no cascade
+    real_tokens: jax.Array | None = None  # [T] 1 for a token of a request, 0 for padding (a sparse layer routes
+                                  # padding to no expert, so its experts stream no weights for it). None: all real
 
     @property
     def num_tokens(self) -> int:
@@ -219,11 +221,13 @@ class PagedStep:
             if self.shared_rows.shape != (c, k):
                 raise ValueError(f"PagedStep.shared_rows has shape {self.shared_rows.shape}, expected ({c}, {k}): "
                                  f"each line's decode rows, at most cascade_group={k}")
+        if self.real_tokens is not None and self.real_tokens.shape != (t,):
+            raise ValueError(f"PagedStep.real_tokens has shape {self.real_tokens.shape}, expected ({t},) like input_ids")
         if self.first_pages is not None and self.attention.sliding_window is None:
             raise ValueError("PagedStep.first_pages is for sliding-window models (their rows drop early pages); "
                              "this step's attention has no window")
         for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                     "first_pages", "shared_tables", "shared_rows", "shared_lengths"):
+                     "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens"):
             if getattr(self, name) is None:
                 continue
             dtype = getattr(self, name).dtype
@@ -233,7 +237,7 @@ class PagedStep:
 
 jax.tree_util.register_dataclass(
     PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                            "first_pages", "shared_tables", "shared_rows", "shared_lengths"],
+                            "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens"],
     meta_fields=["num_decode", "attention"])
 
 
@@ -271,7 +275,8 @@ class StepShape:
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
                          i32(self.sampled_rows), d, attention, None if attention.sliding_window is None else i32(r),
                          i32(cascade_lines(d, k), self.table_width) if cascade else None,
-                         i32(cascade_lines(d, k), k) if cascade else None, i32(d) if cascade else None)
+                         i32(cascade_lines(d, k), k) if cascade else None, i32(d) if cascade else None,
+                         real_tokens=i32(t))
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
