@@ -45,6 +45,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 step=${1:-}
+# A step's own arguments run up to the next step name (so "grouped-bench ARGS... tune ARGS..." works).
+STEPS=" tests memcheck sanitize tune bench grouped-tests grouped-bench accuracy dispatch wc-tests tp-tests attach tp-bench cascade-tests attn-tests attn-bench attn-prefill prefill-tests attn-splits ckpt-bg serve peer serve-http "
+is_step() { [[ "$STEPS" == *" $1 "* ]]; }
 while [ $# -gt 0 ]; do
   case "$1" in
     tests) shift
@@ -82,14 +85,14 @@ print('memcheck sample done')
       grep -h "ERROR SUMMARY" "$OUT"/sanitizer.*.log | sort | uniq -c | tee "$OUT/sanitizer_summary.txt"
       # one file back however many processes ran (the device tool returns at most 8 files)
       tar czf "$OUT/sanitizer_logs.tgz" -C "$OUT" $(cd "$OUT" && ls sanitizer.*.log) && rm -f "$OUT"/sanitizer.*.log ;;
-    tune) shift; args=(); while [ $# -gt 0 ] && [ "$1" != bench ] && [ "$1" != tests ]; do args+=("$1"); shift; done
+    tune) shift; args=(); while [ $# -gt 0 ] && ! is_step "$1"; do args+=("$1"); shift; done
       python3 bench/tune_gemm.py --json "$OUT/tune.json" "${args[@]}" 2>&1 | tee "$OUT/tune.log" | tail -80 ;;
-    bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tune ] && [ "$1" != tests ]; do args+=("$1"); shift; done
+    bench) shift; args=(); while [ $# -gt 0 ] && ! is_step "$1"; do args+=("$1"); shift; done
       python3 bench/gemm.py --json "$OUT/bench.json" "${args[@]}" 2>&1 | tee "$OUT/bench.log" | tail -120 ;;
     grouped-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu_grouped_gemm.py tests/test_grouped_gemm.py 2>&1 \
         | tee "$OUT/grouped_tests.log" | tail -25 ;;
-    grouped-bench) shift; args=(); while [ $# -gt 0 ] && [ "$1" != tests ] && [ "$1" != grouped-tests ]; do args+=("$1"); shift; done
+    grouped-bench) shift; args=(); while [ $# -gt 0 ] && ! is_step "$1"; do args+=("$1"); shift; done
       python3 bench/grouped_gemm.py "${args[@]}" 2>&1 | tee "$OUT/grouped_bench.log" | tail -80 ;;
     accuracy) shift  # each configuration's fast-accumulation error vs float64 (and its GPU test)
       python3 bench/gemm_accuracy.py --json "$OUT/accuracy.json" 2>&1 | tee "$OUT/accuracy.log" | tail -30
