@@ -19,7 +19,7 @@ from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams
 from modelopt_jax.engine import Engine, EngineConfig
 from modelopt_jax.engine.buckets import decode_buckets, token_buckets
-from modelopt_jax.engine.runner import PROMPT_TILE
+from modelopt_jax.engine.runner import PLAIN_DECODE_ROWS, PROMPT_TILE
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
 
@@ -137,3 +137,36 @@ def test_the_program_table_is_refused_where_programs_have_no_table(llm):
 def test_bad_step_program_settings_are_typed_errors(field, value, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="see above")
+def test_decode_steps_without_a_shared_prefix_run_the_program_without_cascade_attention(llm):
+    """With cascade attention (cascade_group > 0), the table holds each small decode bucket twice: with
+    the cascade part and without it. A step where no row shares a prefix runs the program without it
+    (the cascade part's launches cost a few-millisecond step several percent); n samples of one long
+    prompt share it and run the cascade program. Neither waits for a compile, and the tokens are the
+    same either way."""
+    original = llm.engine
+    cascade = dataclasses.replace(KERNELS, cascade_group=4)
+    rng = np.random.default_rng(2)
+    alone = [rng.integers(1, 256, 100).tolist()]
+    shared = rng.integers(1, 256, 100).tolist()
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        engine = _engine(llm, cascade, precompile_samplers=("greedy",))
+        table = engine.runner.program_table(128)
+        decode = [p.shape for p in table if p.shape.decode_rows]
+        assert sorted((s.decode_rows, s.cascade) for s in decode) == [(8, False), (8, True)]
+        assert PLAIN_DECODE_ROWS >= 8
+        _, stats = _run(llm, engine, alone, [greedy])
+        assert {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows} == {False}
+        assert stats["shared_prefix_rows"] == 0 and stats["inline_compiles"] == 0
+        engine.runner.shapes.clear()
+        got, stats = _run(llm, engine, [shared], [dataclasses.replace(greedy, n=3)])
+        # (the first sample decodes alone for a step while the others take the prompt's pages: plain)
+        assert True in {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows}
+        assert stats["shared_prefix_rows"] > 0 and stats["inline_compiles"] == 0
+        want, _ = _run(llm, _engine(llm, KERNELS), [shared], [dataclasses.replace(greedy, n=3)])
+    finally:
+        llm.engine = original
+    assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in want[0].outputs]

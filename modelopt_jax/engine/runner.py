@@ -32,6 +32,13 @@ PROMPT_TILE = 64
 # least this many tokens (shorter ones save less than the merge costs).
 MIN_SHARED_TOKENS = 64
 
+# Decode-row buckets up to this size also have a program without cascade attention, run when no row
+# of the step shares a prefix: the cascade part costs a prefill-kernel launch and the merge's small
+# kernels in every layer even with no line in use (about 5 us of GPU time and 1.5 us of gaps per
+# layer in a batch-1 step on an H100, bench/RESULTS.md 2026-12-07), which matters in steps of a few
+# milliseconds. Larger steps keep one program (their step time hides it).
+PLAIN_DECODE_ROWS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class CascadePlan:
@@ -150,8 +157,9 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
         longest = max(max(len(r.pages), -(-(r.computed + n) // page) if planned else 0) - r.dropped for r, n in batch)
         width = bucket(longest, 8)
     decode_rows = bucket(len(decode), MIN_DECODE_ROWS) if decode else 0
+    cascade = bool(attention.cascade_group and decode)  # the runner drops it where no row shares a prefix
     if not prompt:
-        return StepShape(decode_rows, 0, 0, 1, width, 0)
+        return StepShape(decode_rows, 0, 0, 1, width, 0, cascade)
     tokens = token_bucket(sum(prompt))
     if fixed:
         rows, row_width, seqs = kernel_prompt_section(tokens, max_prompt_seqs)
@@ -161,7 +169,7 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     else:
         rows = seqs = bucket(len(prompt))
         row_width = bucket(max(prompt), MIN_PROMPT_TOKENS)
-    return StepShape(decode_rows, tokens, rows, row_width, width, seqs)
+    return StepShape(decode_rows, tokens, rows, row_width, width, seqs, cascade)
 
 
 def program_parts(batch: list[tuple[Request, int]], split: bool) -> list[list[tuple[Request, int]]]:
@@ -337,12 +345,17 @@ class Runner:
 
     def program_table(self, max_prompt_tokens: int, samplers=("greedy",)) -> list[StepProgram]:
         """The programs steps of at most ``max_prompt_tokens`` prompt tokens can run, per sampler, without
-        log-probs: a decode program per decode-row bucket, a prompt program per prompt-token bucket."""
+        log-probs: a decode program per decode-row bucket (with cascade attention where the model has it, and
+        also without it up to PLAIN_DECODE_ROWS rows), a prompt program per prompt-token bucket."""
         if not self.has_program_table:
             raise ValueError("the step programs form a table only where both attention sections run the kernels "
                              "and mixed steps are split (Runner.has_program_table)")
         width = self.fixed_table_width
-        shapes = [StepShape(d, 0, 0, 1, width, 0) for d in decode_buckets(self.max_decode_rows)]
+        cascade = bool(self.attention.cascade_group)
+        shapes = [StepShape(d, 0, 0, 1, width, 0, cascade) for d in decode_buckets(self.max_decode_rows)]
+        if cascade:  # and without it, where no row shares a prefix (PLAIN_DECODE_ROWS)
+            shapes += [StepShape(d, 0, 0, 1, width, 0) for d in decode_buckets(self.max_decode_rows)
+                       if d <= PLAIN_DECODE_ROWS]
         for tokens in token_buckets(max_prompt_tokens):
             rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
             shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
@@ -463,10 +476,15 @@ class Runner:
         prompt = [(r, n) for r, n in batch if n > 1]
         t, nd, tile = shape.tokens, shape.decode_rows, shape.prompt_width
         plan = None
-        if decode and self.attention.cascade_group:
+        if shape.cascade:
             plan = shared_prefixes([r for r, _ in decode], self.attention.cascade_group, page, shape.table_width,
                                    cascade_lines(nd, self.attention.cascade_group), pad=nd)
-            self.shared_prefix_rows += plan.rows_sharing
+            if not plan.rows_sharing and nd <= PLAIN_DECODE_ROWS:  # nothing shared: the program without it
+                plan = None
+                key = dataclasses.replace(key, shape=dataclasses.replace(shape, cascade=False))
+                shape = key.shape
+            else:
+                self.shared_prefix_rows += plan.rows_sharing
         # Per-row values are collected in Python lists and converted once per array: a numpy
         # element assignment costs ~1 us, and a 256-row decode step made ~4,000 of them.
         tok_ids, tok_pos, tok_slots, tok_from_last = [], [], [], []

@@ -251,6 +251,8 @@ class StepShape:
     prompt_width: int             # tokens per prompt row at most (Wq)
     table_width: int              # block-table width in pages (W)
     prompt_seqs: int              # sampled prompt sequences, padding included (<= prompt_rows)
+    cascade: bool = False         # decode rows may read shared prefixes once per line (the step carries
+                                  # PagedStep's cascade fields; needs attention.cascade_group)
 
     @property
     def tokens(self) -> int:
@@ -271,7 +273,7 @@ class StepShape:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         t, r = self.tokens, self.rows
         d, k = self.decode_rows, attention.cascade_group
-        cascade = bool(k and d)
+        cascade = bool(self.cascade and k and d)
         return PagedStep(i32(t), i32(t), i32(t), i32(r, self.table_width), i32(self.prompt_rows, self.prompt_width),
                          i32(self.sampled_rows), d, attention, None if attention.sliding_window is None else i32(r),
                          i32(cascade_lines(d, k), self.table_width) if cascade else None,
