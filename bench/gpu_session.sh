@@ -9,7 +9,7 @@
 #                             [prefill-tests] [attn-prefill] [grouped-tests] [grouped-bench ARGS...]
 #                             [accuracy] [dispatch [--shapes S] [--ms M]]
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
-#                                    [noprefix] [nocascade] [engine [W:]K=V[,K=V]]...]
+#                                    [noprefix] [nocascade] [noprecompile] [host] [engine [W:]K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
 #                             [serve-http CKPT_DIR [ARGS...]]
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
@@ -24,7 +24,8 @@
 #   without the project on PYTHONPATH, so the repository root's packages (models/, tests/) shadow nothing
 #   vLLM imports.
 # serve ... profile: the CUPTI kernel tables of the workloads in PROFILE_WORKLOADS (default a; b256: 256 rows
-#   of 700 tokens, (b)'s steady state).
+#   of 700 tokens, (b)'s steady state). serve ... host: after the workloads, the host's milliseconds per step
+#   by part for HOST_WORKLOADS (default c1024; bench/host_loop.py), run in the same process.
 # grouped-tests / grouped-bench: the grouped FP8 GEMM's tests (GPU and CPU ones, on the GPU);
 #   bench/grouped_gemm.py with ARGS (ours, XLA's paths and torch in the same run).
 # accuracy: bench/gemm_accuracy.py (each GEMM configuration's fast-accumulation error against float64) and
@@ -135,7 +136,7 @@ print('memcheck sample done')
     serve) ckpt=$2; workloads=$3; shift 3; extra=()  # then optionally: fp8 (FP8 pages), static (the dense peer),
       tag=${workloads//,/_}                          # profile (CUPTI kernel table of (a)'s steps), staged
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }  # (decode kernel), noprefill
-      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ] || [ "$1" = noprecompile ]; }; do
+      while [ $# -gt 0 ] && { [ "$1" = fp8 ] || [ "$1" = static ] || [ "$1" = profile ] || [ "$1" = engine ] || [ "$1" = staged ] || [ "$1" = noprefill ] || [ "$1" = nofusedwrite ] || [ "$1" = noprefix ] || [ "$1" = nocascade ] || [ "$1" = noprecompile ] || [ "$1" = host ]; }; do
         if [ "$1" = engine ]; then extra+=(--engine "$2"); shift 2; continue; fi  # engine [W:]K=V[,K=V]: W (b) again
         [ "$1" = fp8 ] && extra+=(--kv-cache-dtype fp8); [ "$1" = static ] && extra+=(--static-peer)
         [ "$1" = profile ] && extra+=(--profile "${PROFILE_WORKLOADS:-a}"); [ "$1" = staged ] && extra+=(--attention decode_variant=staged)
@@ -143,6 +144,7 @@ print('memcheck sample done')
         [ "$1" = noprefix ] && extra+=(--no-prefix-caching)  # LLM(enable_prefix_caching=False)
         [ "$1" = nocascade ] && extra+=(--attention cascade_group=0)  # decode rows read shared prefixes themselves
         [ "$1" = noprecompile ] && extra+=(--no-precompile)  # programs compile when first needed (A/B of one workload)
+        [ "$1" = host ] && extra+=(--host-breakdown "${HOST_WORKLOADS:-c1024}")  # host ms per step by part
         tag+="_$1"; shift
       done
       tag+="${TAG:-}"  # TAG: a suffix telling A/B runs of one command apart (e.g. with NATIVE_DIR)

@@ -50,22 +50,40 @@ def _timed(acc: collections.Counter, label: str, fn):
     return timed
 
 
-def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+class _TimedPrograms(dict):
+    """The runner's compiled-ahead programs, each call timed as dispatch (``Runner._compiled``)."""
+
+    def __init__(self, programs: dict, acc: collections.Counter):
+        super().__init__(programs)
+        self.acc = acc
+
+    def get(self, key, default=None):
+        program = super().get(key, default)
+        return None if program is None else _timed(self.acc, "dispatch", program)
+
+
+def measure(llm: LLM, prompts: list[list[int]], params) -> dict:
+    """Host seconds per step by part while ``llm.generate(prompts, params)`` runs (see the module
+    docstring). Dispatch covers programs compiled ahead (``Runner._compiled``) and jit's alike."""
     engine, runner = llm.engine, llm.engine.runner
     acc = collections.Counter()
-    saved = (engine._scheduler.schedule, runner.launch, runner._step, engine._collect, runner_module.jax.device_get)
+    saved = (engine._scheduler.schedule, runner.launch, runner._step, engine._collect, runner_module.jax.device_get,
+             runner._compiled)
     try:
         engine._scheduler.schedule = _timed(acc, "schedule", saved[0])
         runner.launch = _timed(acc, "launch+dispatch", saved[1])
         runner._step = _timed(acc, "dispatch", saved[2])
         engine._collect = _timed(acc, "collect+wait", saved[3])
         runner_module.jax.device_get = _timed(acc, "wait", saved[4])
+        runner._compiled = _TimedPrograms(saved[5], acc)
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t
     finally:
+        compiled_meanwhile = {k: v for k, v in dict.items(runner._compiled) if k not in saved[5]}
         (engine._scheduler.schedule, runner.launch, runner._step, engine._collect,
-         runner_module.jax.device_get) = saved
+         runner_module.jax.device_get, runner._compiled) = saved
+        runner._compiled.update(compiled_meanwhile)  # background compiles that finished during the run
     stats = llm.last_stats
     steps = stats["steps"]
     parts = {"schedule": acc["schedule"], "launch": acc["launch+dispatch"] - acc["dispatch"],

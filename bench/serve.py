@@ -292,6 +292,20 @@ def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) 
     return out
 
 
+def host_breakdown(llm, vocab: int, workload_name: str) -> dict:
+    """Host milliseconds per step of ``workload_name`` by part, and the wait for the device
+    (bench/host_loop.py's measure): whether a step waits for the host or the host for the device."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from host_loop import measure
+
+    prompts, params = workload(workload_name, vocab)
+    result = measure(llm, prompts, params)
+    cells = ", ".join(f"{k} {v:.2f}" for k, v in result["ms_per_step"].items())
+    print(f"({workload_name}) host per step: {result['host_ms_per_step']:.2f} ms ({cells}) over {result['steps']} "
+          f"steps", flush=True)
+    return result
+
+
 def generated_tokens(outs) -> int:
     """Tokens generated for ``outs``: every completion of an ``n > 1`` request (``o.outputs``), where an
     output has them; else ``o.token_ids`` (which is only the first completion's)."""
@@ -431,6 +445,9 @@ def main():
                     help="after the workloads, run a workload (W, default b) again under these EngineConfig "
                          "changes (repeatable), e.g. max_num_seqs=512,max_num_batched_tokens=4096 or "
                          "f:max_num_seqs=1024")
+    ap.add_argument("--host-breakdown", default=None, metavar="WORKLOADS",
+                    help="after the workloads, each workload's host milliseconds per step by part (schedule, launch, "
+                         "dispatch, collect) and the wait for the device (bench/host_loop.py), e.g. c1024")
     ap.add_argument("--trace-step", default=None, metavar="WORKLOADS",
                     help="one decode step of each workload in launch order (kernels, durations, gaps)")
     ap.add_argument("--profile", nargs="?", const="a", default=None, metavar="WORKLOADS",
@@ -558,6 +575,8 @@ def main():
         report["runs"][key] = stats
     for name in (args.profile.split(",") if args.profile else []):
         report[f"profile_{name}"] = profile_workload(llm, model.config.vocab_size, name)
+    for name in (args.host_breakdown.split(",") if args.host_breakdown else []):
+        report[f"host_{name}"] = host_breakdown(llm, model.config.vocab_size, name)
     for name in (args.trace_step.split(",") if args.trace_step else []):
         report[f"trace_{name}"] = trace_decode_step(llm, model.config.vocab_size, name)
     stats = dev.memory_stats() or {}
