@@ -403,7 +403,6 @@ def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_
     ``with_lse``: returns ``(out [T, H, D] float32, lse [T, H], k_pool, v_pool)`` (cascade attention)."""
     from modelopt_jax.ops import native
 
-
     if k_new.dtype != k_pool.dtype or v_new.dtype != v_pool.dtype:
         raise ValueError(f"new keys/values ({k_new.dtype}, {v_new.dtype}) must be in the pool's dtype "
                          f"({k_pool.dtype}): pass KVBuffer.encode(...)")
