@@ -157,7 +157,7 @@ def simulate(args, scheduler, attention, requests, run):
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
           f"{generated / total:,.0f} generated tok/s")
     if args.verbose:
-        print("decode-rows prompt-tokens prompt-rows prompt-width table-width prompt-seqs: steps")
+        print("decode-rows prompt-tokens prompt-rows prompt-width table-width prompt-seqs cascade: steps")
         for k, v in sorted(shapes.items()):
             print(*dataclasses.astuple(k), ":", v)
     return shapes
