@@ -23,6 +23,10 @@ size_t Sm90GroupedStream64x8U2Workspace(const GroupedLaunchArgs&);
 LaunchStatus RunSm90GroupedStream64x8U2(const GroupedLaunchArgs&, void*);
 size_t Sm90GroupedStream32x8W4U2Workspace(const GroupedLaunchArgs&);
 LaunchStatus RunSm90GroupedStream32x8W4U2(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream16x8U2Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream16x8U2(const GroupedLaunchArgs&, void*);
+size_t Sm90GroupedStream16x8Workspace(const GroupedLaunchArgs&);
+LaunchStatus RunSm90GroupedStream16x8(const GroupedLaunchArgs&, void*);
 
 const GroupedKernelConfig kSm90GroupedConfigs[] = {
     {"sm90 grouped swapab 64x16x256 pingpong", Sm90GroupedSwap16Workspace, RunSm90GroupedSwap16},
@@ -36,6 +40,8 @@ const GroupedKernelConfig kSm90GroupedConfigs[] = {
     {"sm90 grouped stream 64x16 4x2 warps", Sm90GroupedStream64x16Workspace, RunSm90GroupedStream64x16},
     {"sm90 grouped stream 64x8 4x2 warps unroll 2", Sm90GroupedStream64x8U2Workspace, RunSm90GroupedStream64x8U2},
     {"sm90 grouped stream 32x8 2x2 warps unroll 2", Sm90GroupedStream32x8W4U2Workspace, RunSm90GroupedStream32x8W4U2},
+    {"sm90 grouped stream 16x8 8 warps unroll 2", Sm90GroupedStream16x8U2Workspace, RunSm90GroupedStream16x8U2},
+    {"sm90 grouped stream 16x8 8 warps", Sm90GroupedStream16x8Workspace, RunSm90GroupedStream16x8},
 };
 const int kNumSm90GroupedConfigs = sizeof(kSm90GroupedConfigs) / sizeof(kSm90GroupedConfigs[0]);
 
