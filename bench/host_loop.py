@@ -80,7 +80,7 @@ def measure(llm: LLM, prompts: list[list[int]], params) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t
     finally:
-        compiled_meanwhile = {k: v for k, v in dict.items(runner._compiled) if k not in saved[5]}
+        compiled_meanwhile = {k: v for k, v in runner._compiled.items() if k not in saved[5]}
         (engine._scheduler.schedule, runner.launch, runner._step, engine._collect,
          runner_module.jax.device_get, runner._compiled) = saved
         runner._compiled.update(compiled_meanwhile)  # background compiles that finished during the run

@@ -134,7 +134,9 @@ class MLP(nnx.Module):
         self.intermediate_size = intermediate_size
         self.dtype = jnp.dtype(dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, real: jax.Array | None = None) -> jax.Array:
+        """``real``: which tokens of an engine step are real (:class:`SparseMoE` skips the others); a
+        dense block computes every row anyway, its GEMMs being shaped by the padded rows."""
         gate_up = self.gate_up(x)
         gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
         return self.down((jax.nn.silu(gate.astype(jnp.float32)).astype(self.dtype) * up).astype(self.dtype))
@@ -159,10 +161,7 @@ class DecoderLayer(nnx.Module):
     def step(self, x, keys, values, step: PagedStep):
         attn, keys, values = self.self_attn.step(self.input_layernorm(x), keys, values, step)
         x = x + attn
-        h = self.post_attention_layernorm(x)
-        # a sparse block skips the step's padding tokens (their outputs are ignored anyway)
-        mlp = self.mlp(h, real=step.real_tokens) if isinstance(self.mlp, SparseMoE) else self.mlp(h)
-        return x + mlp, keys, values
+        return x + self.mlp(self.post_attention_layernorm(x), real=step.real_tokens), keys, values
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
