@@ -259,7 +259,11 @@ def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) 
     """One decode step of ``workload_name`` in launch order: a traced run's kernels from one
     first-layer decode-attention launch to the next step's (a step runs one per layer; the
     second-to-last step, so the window is whole), each with its duration and the idle gap before
-    it -- one layer's chain of launches, and how much of the step is gaps rather than kernels."""
+    it -- one layer's chain of launches, and how much of the step is gaps rather than kernels.
+
+    Under a profiler XLA runs every command buffer (CUDA graph) op by op unless XLA_FLAGS holds
+    ``--xla_enable_command_buffers_during_profiling=true``: without it the gaps are those of thunk-by-thunk
+    launches with CUPTI attached, not the untraced step's (whose time is the workload's ms/step)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import kernel_sequence
 
@@ -283,9 +287,13 @@ def trace_decode_step(llm, vocab: int, workload_name: str = "a", new: int = 12) 
         entry = by_name.setdefault(r["name"][:90], [0, 0.0])
         entry[0] += 1
         entry[1] += r["us"]
-    out = {"kernels": len(rows), "span_us": span, "busy_us": busy, "gaps_us": span - busy, "step": rows}
+    graphs = "--xla_enable_command_buffers_during_profiling=true" in os.environ.get("XLA_FLAGS", "")
+    out = {"kernels": len(rows), "span_us": span, "busy_us": busy, "gaps_us": span - busy,
+           "command_buffers": graphs, "step": rows}
     print(f"({workload_name}) one decode step: {len(rows)} kernels, {span:.0f} us from its first kernel to the "
-          f"next step's, {busy:.0f} us busy, {span - busy:.0f} us of gaps; the kernels with the most time:",
+          f"next step's, {busy:.0f} us busy, {span - busy:.0f} us of gaps ("
+          f"{'command buffers kept' if graphs else 'op by op: XLA drops command buffers under a profiler'}); "
+          f"the kernels with the most time:",
           flush=True)
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"  {us:8.1f} us  {count:4d} x {us / count:7.2f}  {name}")
