@@ -454,10 +454,10 @@ def test_an_engine_failure_fails_the_pending_requests_with_500(served, monkeypat
     runner = served.engine.runner
     real_launch = runner.launch
 
-    def failing_launch(batch):
+    def failing_launch(batch, steps=1):
         if len(batch) == 2:  # a decode step of both requests below
             raise RuntimeError("injected device failure")
-        return real_launch(batch)
+        return real_launch(batch, steps)
 
     monkeypatch.setattr(runner, "launch", failing_launch)
     body = {"prompt": PROMPTS[1], "max_tokens": 90, "temperature": 0, "ignore_eos": True}

@@ -20,7 +20,7 @@ import jax
 
 from modelopt_jax.engine.pages import PagePool
 from modelopt_jax.engine.request import Request, RequestOutput, group_outputs, logprob_entry
-from modelopt_jax.engine.runner import Runner
+from modelopt_jax.engine.runner import MULTI_STEP_ROWS, Runner
 from modelopt_jax.engine.scheduler import Scheduler
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
@@ -58,6 +58,10 @@ class EngineConfig:
     precompile_samplers: tuple[str, ...] = ("greedy", "tempered")  # where the step programs form a table (the
                                               # CUDA kernels' paths), compile it at start-up for these samplers
                                               # (sampling.SAMPLERS); (): compile each program on first use
+    decode_steps: int = 1                     # > 1: decode-only steps of at most runner.MULTI_STEP_ROWS rows, with
+                                              # nothing waiting to be admitted, run this many forwards in one launch
+                                              # (the host's cycle paid once per that many tokens; tokens a row
+                                              # samples after its stop are dropped)
 
     def __post_init__(self):
         if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
@@ -72,6 +76,8 @@ class EngineConfig:
         value = self.reserve_tokens
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"reserve_tokens={value!r} must be a non-negative integer")
+        if not isinstance(self.decode_steps, int) or isinstance(self.decode_steps, bool) or not 1 <= self.decode_steps <= 64:
+            raise ConfigError(f"decode_steps={self.decode_steps!r} must be an integer from 1 to 64")
         if not isinstance(self.split_steps, bool):
             raise ConfigError(f"split_steps={self.split_steps!r} must be a bool")
         if not isinstance(self.precompile_samplers, tuple) or any(s not in SAMPLERS for s in self.precompile_samplers):
@@ -174,7 +180,8 @@ class Engine:
         self.attention = attention
         self.pool = PagePool(num_pages, config.page_size, prefix_caching=config.enable_prefix_caching)
         self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
-                             max_rows=config.max_num_seqs, split_steps=config.split_steps)
+                             max_rows=config.max_num_seqs, split_steps=config.split_steps,
+                             decode_steps=config.decode_steps)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a step whose program is not compiled yet runs its decodes alone while
         # it compiles off-thread (Runner.ready; at most MAX_PROMPT_DEFER_S, then in line). Off for
@@ -265,7 +272,8 @@ class Engine:
             self._inflight = None
             raise
         stats = self._stats
-        stats["steps"] += 1
+        stats["steps"] += current.steps
+        stats["multi_step_launches"] += current.steps > 1
         stats["prefill_steps"] += current.is_prompt
         stats["mixed_steps"] += current.is_mixed
         stats["prefill_s" if current.is_prompt else "decode_s"] += time.perf_counter() - t0
@@ -288,18 +296,20 @@ class Engine:
         token completes leaves the running set now (its pages can serve the next step: the device
         runs steps in order)."""
         self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
-        launched = self.runner.launch(batch)
+        steps = self._scheduler.decode_steps(batch, self.config.decode_steps, MULTI_STEP_ROWS)
+        launched = self.runner.launch(batch, steps)
         if launched.is_prompt:
             self._deferred_since = None  # a prompt step runs: any wait for a compile is over
         scheduler = self._scheduler
         for r, n, start, samples, row in launched.rows:
+            n *= launched.steps  # a multi-step launch feeds each (decode) row steps tokens
             r.computed += n
             if start < len(r.prompt_ids):
                 self._stats["prefill_tokens_computed"] += min(n, len(r.prompt_ids) - start)
             if n > 1 or start < len(r.prompt_ids):
                 scheduler.register_pages(r)  # its new full pages serve later steps (the device runs in order)
             if samples:
-                r.inflight += 1
+                r.inflight += launched.steps
                 r.inflight_row = row
                 if r.sampled_all:
                     scheduler.finish(r)
@@ -309,6 +319,18 @@ class Engine:
         result = self.runner.collect(launched)
         sampled, sampled_logprob = result.tokens.tolist(), result.chosen.tolist()  # Python ints and floats, once
         advanced = []
+        if launched.steps > 1:  # decode rows only: each row's tokens in order, up to its stop
+            for r, _, _, _, row in launched.rows:
+                for j in range(launched.steps):
+                    if r.finish_reason is not None:  # stopped before (a later token is dropped), or aborted
+                        break
+                    r.accept(sampled[j][row], sampled_logprob[j][row], result.top_values[j, row],
+                             result.top_ids[j, row])
+                    if j == 0:
+                        advanced.append(r)
+                    if r.finish_reason is not None:
+                        self._scheduler.finish(r)
+            return advanced
         for r, n, start, samples, row in launched.rows:
             if r.finish_reason is not None:  # stopped in the step before, or aborted: nothing more to record
                 continue
@@ -320,7 +342,7 @@ class Engine:
                         r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
                                                              r.params.prompt_logprobs)
             if samples:
-                r.accept(sampled[row], sampled_logprob[row], result.top_values[row], result.top_ids[row])
+                r.accept(sampled[0][row], sampled_logprob[0][row], result.top_values[0, row], result.top_ids[0, row])
                 advanced.append(r)
                 if r.finish_reason is not None:
                     self._scheduler.finish(r)
@@ -372,7 +394,8 @@ class Engine:
         return group_outputs(requests, tokenizer)
 
     def _reset_stats(self) -> None:
-        self._stats = {"steps": 0, "prefill_steps": 0, "mixed_steps": 0, "overlapped_steps": 0, "prefill_s": 0.0,
+        self._stats = {"steps": 0, "prefill_steps": 0, "mixed_steps": 0, "overlapped_steps": 0, "multi_step_launches": 0,
+                       "prefill_s": 0.0,
                        "decode_s": 0.0, "max_running": 0, "prefill_tokens_computed": 0}
         # the scheduler counts over the engine's life
         self._preemptions_before = self._scheduler.preemptions

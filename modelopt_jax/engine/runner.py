@@ -39,6 +39,13 @@ MIN_SHARED_TOKENS = 64
 # milliseconds. Larger steps keep one program (their step time hides it).
 PLAIN_DECODE_ROWS = 64
 
+# Multi-step decode (EngineConfig.decode_steps = k > 1): decode-only steps of at most this many rows run
+# k forwards in one program, each feeding the token the one before sampled, so the host's cycle per
+# launch (scheduling, building the step's arrays, the dispatch, the copy back) is paid once per k
+# tokens. It is for small batches, whose GPU work per step is shorter than that cycle; larger steps
+# keep one forward a launch (their GPU work hides the host's).
+MULTI_STEP_ROWS = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class CascadePlan:
@@ -197,6 +204,8 @@ class StepProgram:
     num_logprobs: int                 # top alternatives returned per sampled token
     prompt_logprobs: int | None       # top alternatives per prompt token (None: no prompt log-probs)
     sampler: str                      # sampling.sampler_for: greedy steps skip the sort top-k/top-p need
+    decode_steps: int = 1             # forwards one launch runs (> 1: a decode-only step without cascade
+                                      # attention; forward i + 1 feeds each row the token forward i sampled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +242,8 @@ class LaunchedProgram:
     logprobs: tuple                         # (chosen [S], top values [S, k], top ids [S, k])
     prompt: tuple | None                    # per fed token (chosen [T], top values [T, k], top ids [T, k]) or None
     token_spans: dict[int, tuple[int, int]]  # output row -> (its first fed token in this program, tokens fed)
+    step_tokens: jax.Array | None = None    # [steps, S] every forward's sampled tokens (multi-step programs;
+                                            # None: the one forward's tokens are LaunchedStep.tokens')
 
 
 @dataclasses.dataclass
@@ -243,6 +254,8 @@ class LaunchedStep:
                                                      #  its row in the step's outputs)
     tokens: jax.Array                       # [Runner.max_rows] every row's sampled token at its output row
     programs: list[LaunchedProgram]         # the programs that ran it, in launch order
+    steps: int = 1                          # forwards it ran (decode-only multi-step: each row fed steps tokens
+                                            # and sampled steps tokens)
 
     @property
     def is_prompt(self) -> bool:
@@ -257,10 +270,10 @@ class LaunchedStep:
 class StepResult:
     """What one step returns to the host (one device-to-host copy)."""
 
-    tokens: np.ndarray                      # [rows] sampled token per output row
-    chosen: np.ndarray                      # [rows] its log-prob
-    top_values: np.ndarray                  # [rows, k]
-    top_ids: np.ndarray                     # [rows, k]
+    tokens: np.ndarray                      # [steps, rows] sampled token per forward and output row
+    chosen: np.ndarray                      # [steps, rows] its log-prob
+    top_values: np.ndarray                  # [steps, rows, k]
+    top_ids: np.ndarray                     # [steps, rows, k]
     prompt: dict | None                     # per prompt row (by output row): its tokens' (chosen, top values, top ids)
 
 
@@ -275,10 +288,11 @@ class Runner:
     """
 
     def __init__(self, model, num_pages: int, attention: AttentionConfig, pad_id: int = 0,
-                 fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True):
+                 fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True, decode_steps: int = 1):
         from flax import nnx
 
         self.attention = attention
+        self.decode_steps = decode_steps  # forwards of a multi-step decode launch (see MULTI_STEP_ROWS)
         self.page_size = attention.page_size
         self.split_steps = split_steps
         self.max_decode_rows = bucket(max_rows, MIN_DECODE_ROWS)
@@ -359,7 +373,11 @@ class Runner:
         for tokens in token_buckets(max_prompt_tokens):
             rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
             shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
-        return [StepProgram(shape, 0, None, sampler) for sampler in samplers for shape in shapes]
+        programs = [StepProgram(shape, 0, None, sampler) for sampler in samplers for shape in shapes]
+        if self.decode_steps > 1:  # multi-step decode programs (no cascade attention)
+            programs += [StepProgram(StepShape(d, 0, 0, 1, width, 0), 0, None, sampler, self.decode_steps)
+                         for sampler in samplers for d in decode_buckets(self.max_decode_rows) if d <= MULTI_STEP_ROWS]
+        return programs
 
     def precompile(self, programs: list[StepProgram], workers: int = 1) -> int:
         """Compiles ``programs`` now (``workers`` at a time; XLA compiles outside the GIL), so no step
@@ -424,6 +442,8 @@ class Runner:
 
     def _step_fn(self, program: StepProgram, weights, cache, step: PagedStep, rows: RowSampling, last_tokens):
         ids = jnp.where(rows.from_last >= 0, last_tokens[jnp.maximum(rows.from_last, 0)], step.input_ids)
+        if program.decode_steps > 1:
+            return self._multi_step_fn(program, weights, cache, step, rows, last_tokens, ids)
         step = dataclasses.replace(step, input_ids=ids)
         if program.prompt_logprobs is None:
             logits, cache = self._forward(weights, cache, step, False)
@@ -438,10 +458,40 @@ class Runner:
         placed = jax.lax.dynamic_update_slice(last_tokens, tokens, (rows.out_row,))
         return placed, token_logprobs(logits, tokens, program.num_logprobs), prompt, cache
 
+    def _multi_step_fn(self, program: StepProgram, weights, cache, step: PagedStep, rows: RowSampling, last_tokens,
+                       ids):
+        """``program.decode_steps`` forwards of a decode-only step (token b is row b's, sampled at row b):
+        forward i feeds each row the token forward i - 1 sampled, at its position + i, into the slot its
+        block table names (the scheduler grew every row's pages for all of them); padding tokens stay
+        at position 0 of the scratch page. The key of a row's token is folded from its counter + i, so
+        each token is drawn as a one-forward step would draw it. Returns the last forward's tokens
+        placed like a one-forward step's, and every forward's tokens and log-probs."""
+        page = self.page_size
+        real = step.real_tokens != 0
+        table_rows = jnp.arange(step.num_tokens)
+
+        def forward(carry, i):
+            cache, fed = carry
+            pos = step.positions + i
+            slots = step.block_tables[table_rows, pos // page] * page + pos % page
+            at = dataclasses.replace(step, input_ids=fed, positions=jnp.where(real, pos, 0),
+                                     slots=jnp.where(real, slots, 0))
+            logits, cache = self._forward(weights, cache, at, False)
+            keys = jax.vmap(jax.random.fold_in)(rows.keys, rows.counters + i.astype(jnp.uint32))
+            tokens = sample(logits, rows.temperature, rows.top_k, rows.top_p, keys, program.sampler)
+            return (cache, tokens), (tokens, token_logprobs(logits, tokens, program.num_logprobs))
+
+        (cache, last), (tokens, logprobs) = jax.lax.scan(forward, (cache, ids),
+                                                          jnp.arange(program.decode_steps, dtype=jnp.int32))
+        placed = jax.lax.dynamic_update_slice(last_tokens, last, (rows.out_row,))
+        return placed, (tokens, logprobs), None, cache
+
     # -- running a step --------------------------------------------------------------------------------
 
-    def launch(self, batch: list[tuple[Request, int]]) -> LaunchedStep:
+    def launch(self, batch: list[tuple[Request, int]], steps: int = 1) -> LaunchedStep:
         """Dispatches one step for ``batch`` rows of (request, tokens to feed) without waiting for it.
+        ``steps`` > 1 (decode rows only, at most MULTI_STEP_ROWS, pages grown for as many tokens): that
+        many forwards in one program, each row fed its in-flight token and then the tokens it samples.
 
         Rows feeding one token are the step's decode rows (in ``batch`` order), the others its
         prompt rows; they run as one program or two (:meth:`programs_of`), whose sampled tokens land
@@ -451,22 +501,28 @@ class Runner:
         advances ``computed`` and ``inflight``. A program compiled ahead or off-thread runs as
         compiled; one still compiling is waited for; any other compiles here, as ``jax.jit`` does.
         """
+        if steps > 1 and (any(n != 1 for _, n in batch) or len(batch) > MULTI_STEP_ROWS):
+            raise ValueError(f"a step of {steps} forwards runs at most {MULTI_STEP_ROWS} decode rows, got "
+                             f"{sorted(n for _, n in batch)} tokens fed by row")
         rows, programs = [], []
         tokens, out_row = self._last_tokens, 0
         for part in self.programs_of(batch):
-            tokens, launched, sampled = self._launch_program(part, tokens, out_row)
+            tokens, launched, sampled = self._launch_program(part, tokens, out_row, steps)
             rows += launched.pop("rows")
             programs.append(LaunchedProgram(out_row, **launched))
             out_row += sampled
         self._last_tokens = tokens
-        return LaunchedStep(rows, tokens, programs)
+        return LaunchedStep(rows, tokens, programs, steps)
 
-    def _launch_program(self, batch: list[tuple[Request, int]], last_tokens: jax.Array, out_row: int):
+    def _launch_program(self, batch: list[tuple[Request, int]], last_tokens: jax.Array, out_row: int,
+                        steps: int = 1):
         """Builds and dispatches one program's step for ``batch`` (decode rows before prompt rows),
         its sampled rows placed at ``out_row`` onwards; returns the tokens array it leaves, what
         :class:`LaunchedProgram` records, and its sampled rows (padding included)."""
         page = self.page_size
         key = self.step_key(batch, planned=False)
+        if steps > 1:  # multi-step programs read each row's own pages (no cascade lines)
+            key = dataclasses.replace(key, shape=dataclasses.replace(key.shape, cascade=False), decode_steps=steps)
         shape = key.shape
         if out_row + shape.sampled_rows > self.max_rows:
             raise ValueError(f"a step of {len(batch)} rows needs {out_row + shape.sampled_rows} output rows; the "
@@ -566,11 +622,26 @@ class Runner:
         if key not in self.shapes and compiled is None:
             self.inline_compiles += 1
         self.shapes.add(key)
-        return tokens, {"rows": launched, "logprobs": logprobs, "prompt": prompt_out, "token_spans": spans}, s
+        step_tokens = None
+        if steps > 1:
+            step_tokens, logprobs = logprobs
+        return tokens, {"rows": launched, "logprobs": logprobs, "prompt": prompt_out, "token_spans": spans,
+                        "step_tokens": step_tokens}, s
 
     @staticmethod
     def collect(launched: LaunchedStep) -> StepResult:
         """Waits for a launched step and copies its results to the host (one transfer)."""
+        if launched.steps > 1:  # one multi-step program: every forward's tokens and log-probs
+            (program,) = launched.programs
+            tokens, (chosen, top_v, top_i) = jax.device_get((program.step_tokens, program.logprobs))
+            n = launched.tokens.shape[0]
+            rows = slice(program.out_row, program.out_row + tokens.shape[1])
+            out = (np.zeros((launched.steps, n), np.int32), np.zeros((launched.steps, n), np.float32),
+                   np.full((launched.steps, n, top_v.shape[2]), -np.inf, np.float32),
+                   np.zeros((launched.steps, n, top_i.shape[2]), np.int32))
+            for whole, part in zip(out, (tokens, chosen, top_v, top_i)):
+                whole[:, rows] = part
+            return StepResult(*out, None)
         tokens, outputs = jax.device_get((launched.tokens, [(p.logprobs, p.prompt) for p in launched.programs]))
         k = max(top_v.shape[1] for (_, top_v, _), _ in outputs)
         n = len(tokens)
@@ -585,7 +656,7 @@ class Runner:
                 prompt_rows = {} if prompt_rows is None else prompt_rows
                 for row, (first, count) in program.token_spans.items():
                     prompt_rows[row] = tuple(a[first:first + count] for a in prompt)
-        return StepResult(tokens, chosen, top_values, top_ids, prompt_rows)
+        return StepResult(tokens[None], chosen[None], top_values[None], top_ids[None], prompt_rows)
 
 
 def _scattered(values, rows: list[int], size: int, fill=0, dtype=np.int32) -> np.ndarray:

@@ -140,6 +140,20 @@ class Scheduler:
             # newest one's pages (one request alone always fits: the engine checks that up front).
             self._preempt(self.running[-1])
 
+    def decode_steps(self, batch: list[tuple[Request, int]], steps: int, max_rows: int) -> int:
+        """How many forwards the step of ``batch`` runs in one launch: ``steps`` where it holds decode
+        rows only (at most ``max_rows``), no request waits to be admitted (a multi-step launch would
+        delay it), the model has no sliding window (pages leave it step by step) and every row has
+        ``steps`` tokens of budget left (none samples past its max_tokens); then each row's pages are
+        grown for those tokens. Else 1 (pages grown for some rows hold their next positions anyway)."""
+        if (steps <= 1 or not batch or len(batch) > max_rows or self.waiting or self.sliding_window is not None
+                or any(n != 1 or len(r.generated) + r.inflight + steps > r.budget for r, n in batch)):
+            return 1
+        for r, _ in batch:
+            if not self.pool.grow(r.pages, r.computed + steps):
+                return 1
+        return steps
+
     def _drop_outside_window(self) -> None:
         """Gives back every running request's pages that no token from here on can attend: the next
         step's tokens sit at positions >= ``computed`` and see keys less than ``sliding_window`` back.
