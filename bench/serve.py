@@ -404,7 +404,10 @@ def run_engine_variant(llm, variant: str, scale: float = 1.0) -> tuple[str, dict
 
     name, _, settings = variant.rpartition(":")
     name = name or "b"
-    config = dataclasses.replace(llm.engine.config, **parse_settings(settings))
+    overrides = parse_settings(settings)
+    if "precompile_samplers" in overrides and overrides["precompile_samplers"] is None:  # =none: compile on first use
+        overrides["precompile_samplers"] = ()
+    config = dataclasses.replace(llm.engine.config, **overrides)
     attention = llm.engine.runner.attention
     llm.engine = None
     gc.collect()
