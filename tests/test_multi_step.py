@@ -181,3 +181,20 @@ def test_a_launch_of_several_forwards_refuses_prompt_rows(llm):
     request = llm.requests([1, 2, 3, 4], SamplingParams(max_tokens=4))[0]
     with pytest.raises(ValueError, match="runs at most .* decode rows"):
         engine.runner.launch([(request, 4)], steps=2)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS host device count, tests/conftest.py)")
+def test_multi_step_under_tensor_parallelism():
+    """The forwards' loop runs the sharded model (pages split by KV head, the collectives inside the
+    loop): TP = 2 with four forwards a launch gives TP = 1's one-forward tokens (float32, unquantized:
+    no FP8 rounding near-ties for the two summation orders to split)."""
+    outputs = {}
+    for tp, steps in ((1, 1), (2, 4)):
+        llm = LLM(str(fixture_dir("qwen2-bytes-bf16")), quantization=None, dtype="float32", max_model_len=128,
+                  compilation_cache_dir=None, tensor_parallel_size=tp, kv_cache_bytes=32 << 20)
+        engine = Engine(llm.model, max_model_len=llm.max_model_len, pad_id=llm.engine.runner.pad_id,
+                        config=EngineConfig(kv_cache_bytes=32 << 20, precompile_samplers=(), decode_steps=steps))
+        got, stats = _run(llm, engine, [[5, 6, 7, 8, 9], [20, 21, 22]], [SamplingParams(max_tokens=12, ignore_eos=True)] * 2)
+        assert (stats["multi_step_launches"] > 0) == (steps > 1)
+        outputs[tp] = [o.token_ids for o in got]
+    assert outputs[2] == outputs[1]
