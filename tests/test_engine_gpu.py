@@ -60,15 +60,17 @@ def _compare_until_they_part(runs_a, runs_b, params, bound: float = 0.25) -> int
     to where they first differ, and returns how many tokens agreed. At each position the log-probs
     of the tokens both runs report (the chosen one and the top 2) agree within ``bound`` (bf16/FP8
     noise); where a greedy row's picks first differ they are a near-tie (each run's top log-prob within
-    ``bound`` of the other's), so neither chose a token the other found unlikely. A sampled pick is a
+    ``bound`` of the other's), so neither chose a token the other found unlikely, whether or not the
+    two runs' top 2 there share a token. A sampled pick is a
     draw from the CDF, which a small shift can move to any token beside it: only the shared tokens'
     log-probs are compared there."""
     compared = 0
     for a, b, p in zip(runs_a, runs_b, params, strict=True):
         for ca, cb in zip(a, b, strict=True):
             for i, (ta, tb) in enumerate(zip(ca.token_ids, cb.token_ids)):
+                # Where the picks are equal the chosen token is common. Where they part, the two top-2
+                # sets may share nothing: on nearly flat logits a 0.05 shift reorders the top few.
                 common = ca.logprobs[i].keys() & cb.logprobs[i].keys()
-                assert common, (i, ca.logprobs[i], cb.logprobs[i])
                 for t in common:
                     assert abs(ca.logprobs[i][t] - cb.logprobs[i][t]) < bound, (i, t, ca.logprobs[i], cb.logprobs[i])
                 if not p.temperature:
