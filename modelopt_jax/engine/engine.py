@@ -291,10 +291,11 @@ class Engine:
         return now - self._deferred_since > MAX_PROMPT_DEFER_S
 
     def _launch(self, batch: list[tuple[Request, int]]):
-        """Dispatches ``batch`` and advances its requests as if it had run: their fed tokens count as
-        computed, a row that samples has one more token in flight, and a request whose budget that
-        token completes leaves the running set now (its pages can serve the next step: the device
-        runs steps in order)."""
+        """Dispatches ``batch`` (as several forwards where the scheduler allows, see
+        ``EngineConfig.decode_steps``) and advances its requests as if it had run: their fed tokens
+        count as computed, a row that samples has one more token in flight per forward, and a request
+        whose budget those tokens complete leaves the running set now (its pages can serve the next
+        step: the device runs steps in order)."""
         self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
         steps = self._scheduler.decode_steps(batch, self.config.decode_steps, MULTI_STEP_ROWS)
         launched = self.runner.launch(batch, steps)

@@ -239,7 +239,8 @@ class LaunchedProgram:
     """One program of a launched step: where its rows' results sit (device arrays until collected)."""
 
     out_row: int                            # the step's output row of its first sampled row
-    logprobs: tuple                         # (chosen [S], top values [S, k], top ids [S, k])
+    logprobs: tuple                         # (chosen [S], top values [S, k], top ids [S, k]); a multi-step
+                                            # program's each have a leading [steps] axis
     prompt: tuple | None                    # per fed token (chosen [T], top values [T, k], top ids [T, k]) or None
     token_spans: dict[int, tuple[int, int]]  # output row -> (its first fed token in this program, tokens fed)
     step_tokens: jax.Array | None = None    # [steps, S] every forward's sampled tokens (multi-step programs;
