@@ -320,18 +320,6 @@ class Engine:
         result = self.runner.collect(launched)
         sampled, sampled_logprob = result.tokens.tolist(), result.chosen.tolist()  # Python ints and floats, once
         advanced = []
-        if launched.steps > 1:  # decode rows only: each row's tokens in order, up to its stop
-            for r, _, _, _, row in launched.rows:
-                for j in range(launched.steps):
-                    if r.finish_reason is not None:  # stopped before (a later token is dropped), or aborted
-                        break
-                    r.accept(sampled[j][row], sampled_logprob[j][row], result.top_values[j, row],
-                             result.top_ids[j, row])
-                    if j == 0:
-                        advanced.append(r)
-                    if r.finish_reason is not None:
-                        self._scheduler.finish(r)
-            return advanced
         for r, n, start, samples, row in launched.rows:
             if r.finish_reason is not None:  # stopped in the step before, or aborted: nothing more to record
                 continue
@@ -342,11 +330,14 @@ class Engine:
                     if p < len(r.prompt_ids):
                         r.prompt_logprobs[p] = logprob_entry(r.prompt_ids[p], chosen[t], top_v[t], top_i[t],
                                                              r.params.prompt_logprobs)
-            if samples:
-                r.accept(sampled[0][row], sampled_logprob[0][row], result.top_values[0, row], result.top_ids[0, row])
-                advanced.append(r)
-                if r.finish_reason is not None:
+            if not samples:
+                continue
+            advanced.append(r)
+            for j in range(launched.steps):  # a multi-step launch's tokens in order, up to the row's stop
+                r.accept(sampled[j][row], sampled_logprob[j][row], result.top_values[j, row], result.top_ids[j, row])
+                if r.finish_reason is not None:  # a later token of this launch is dropped
                     self._scheduler.finish(r)
+                    break
         return advanced
 
     # -- batch use (LLM.generate) ---------------------------------------------------------------
