@@ -106,6 +106,36 @@ def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm)
                for p in engine.runner.shapes)
 
 
+def test_large_mixed_steps_run_as_one_program_from_the_table(llm):
+    """With ``one_program_mixed_tokens``, a mixed step whose prompt chunks pad to at least that many
+    tokens runs as one program (the weights read once), its decode rows padded to the largest decode
+    bucket so that such programs are one per prompt bucket and sit in the start-up table; smaller
+    mixed steps still split. Tokens and log-probs equal the XLA layout's, nothing compiles in line."""
+    original = llm.engine
+    try:
+        prompts, params = _workload(3)
+        greedy = [dataclasses.replace(p, logprobs=None) for p in params]
+        want, _ = _run(llm, _engine(llm), prompts, greedy)
+        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",), max_num_seqs=16, one_program_mixed_tokens=64)
+        runner = engine.runner
+        assert runner.max_decode_rows == 16
+        table = runner.program_table(128)
+        mixed = sorted(p.shape.prompt_tokens for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
+        assert mixed == [64, 128]
+        assert all(p.shape.decode_rows == 16 for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
+        assert len(table) == len(decode_buckets(16)) + len(token_buckets(128)) + 2
+        got, stats = _run(llm, engine, prompts, greedy)
+    finally:
+        llm.engine = original
+    _assert_same(got, want)
+    assert stats["inline_compiles"] == 0 and runner.shapes <= set(table)
+    ran_mixed = [p.shape for p in runner.shapes if p.shape.decode_rows and p.shape.prompt_tokens]
+    assert ran_mixed, "no mixed step ran as one program"
+    # (the workload's mixed steps hold fewer than 16 decode rows: the one-program steps padded them)
+    assert stats["max_running"] < 16 and all(s.decode_rows == 16 for s in ran_mixed)
+    assert stats["free_pages_after"] == stats["num_pages"] - 1
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="see above")
 def test_a_program_outside_the_table_compiles_in_line_and_is_counted(llm):
     """Log-probs and samplers outside the precompiled table still run (compiled on first use), and
@@ -131,6 +161,8 @@ def test_the_program_table_is_refused_where_programs_have_no_table(llm):
 
 @pytest.mark.parametrize("field,value,match", [
     ("split_steps", 1, "split_steps=1 must be a bool"),
+    ("one_program_mixed_tokens", 0, "one_program_mixed_tokens=0 must be a positive integer or None"),
+    ("one_program_mixed_tokens", 2.0, "one_program_mixed_tokens=2.0 must be a positive integer or None"),
     ("precompile_samplers", ["greedy"], "precompile_samplers=\\['greedy'\\] must be a tuple of"),
     ("precompile_samplers", ("beam",), "must be a tuple of 'greedy', 'tempered', 'truncated'"),
 ])

@@ -58,6 +58,11 @@ class EngineConfig:
     precompile_samplers: tuple[str, ...] = ("greedy", "tempered")  # where the step programs form a table (the
                                               # CUDA kernels' paths), compile it at start-up for these samplers
                                               # (sampling.SAMPLERS); (): compile each program on first use
+    one_program_mixed_tokens: int | None = None  # with split_steps: a mixed step whose prompt chunks pad to at
+                                              # least this many tokens runs as one program after all, its decode
+                                              # rows padded to max_num_seqs' bucket (the table gains a program per
+                                              # such prompt bucket); the weights are then read once, not twice.
+                                              # None: every mixed step runs as two programs
     decode_steps: int = 1                     # > 1: decode-only steps of at most runner.MULTI_STEP_ROWS rows, with
                                               # nothing waiting to be admitted, run this many forwards in one launch
                                               # (the host's cycle paid once per that many tokens; tokens a row
@@ -80,6 +85,9 @@ class EngineConfig:
             raise ConfigError(f"decode_steps={self.decode_steps!r} must be an integer from 1 to 64")
         if not isinstance(self.split_steps, bool):
             raise ConfigError(f"split_steps={self.split_steps!r} must be a bool")
+        value = self.one_program_mixed_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"one_program_mixed_tokens={value!r} must be a positive integer or None")
         if not isinstance(self.precompile_samplers, tuple) or any(s not in SAMPLERS for s in self.precompile_samplers):
             raise ConfigError(f"precompile_samplers={self.precompile_samplers!r} must be a tuple of "
                               f"{', '.join(map(repr, SAMPLERS))}")
@@ -181,6 +189,7 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size, prefix_caching=config.enable_prefix_caching)
         self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
                              max_rows=config.max_num_seqs, split_steps=config.split_steps,
+                             one_program_mixed_tokens=config.one_program_mixed_tokens,
                              decode_steps=config.decode_steps)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a step whose program is not compiled yet runs its decodes alone while

@@ -179,12 +179,15 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     return StepShape(decode_rows, tokens, rows, row_width, width, seqs, cascade)
 
 
-def program_parts(batch: list[tuple[Request, int]], split: bool) -> list[list[tuple[Request, int]]]:
+def program_parts(batch: list[tuple[Request, int]], split: bool,
+                  one_program_tokens: int | None = None) -> list[list[tuple[Request, int]]]:
     """The rows each program of a step of ``batch`` runs, in launch order (decode rows first): the
-    decodes' and the prompt chunks' programs where ``split`` and the step holds both, else one."""
+    decodes' and the prompt chunks' programs where ``split`` and the step holds both, unless its
+    prompt chunks pad to at least ``one_program_tokens`` tokens; else one."""
     decode = [(r, n) for r, n in batch if n == 1]
     prompt = [(r, n) for r, n in batch if n > 1]
-    if split and decode and prompt:
+    if split and decode and prompt and not (
+            one_program_tokens is not None and token_bucket(sum(n for _, n in prompt)) >= one_program_tokens):
         return [decode, prompt]
     return [decode + prompt]
 
@@ -286,16 +289,22 @@ class Runner:
     decode rows and prompt chunks runs as two programs, the decodes' then the prompts' (launched back
     to back, one copy back), so the programs a workload needs are the decode-row buckets plus the
     prompt-token buckets, not their product; the cost is the weights read twice in such a step.
+    ``one_program_mixed_tokens``: mixed steps whose prompt chunks pad to at least that many tokens run
+    as one program all the same, their decode rows padded to the largest decode bucket, so such
+    programs are one per large prompt bucket (the padded rows cost a few percent of a GEMM of that
+    many tokens; the second program's weight read costs more).
     """
 
     def __init__(self, model, num_pages: int, attention: AttentionConfig, pad_id: int = 0,
-                 fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True, decode_steps: int = 1):
+                 fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True,
+                 one_program_mixed_tokens: int | None = None, decode_steps: int = 1):
         from flax import nnx
 
         self.attention = attention
         self.decode_steps = decode_steps  # forwards of a multi-step decode launch (see MULTI_STEP_ROWS)
         self.page_size = attention.page_size
         self.split_steps = split_steps
+        self.one_program_mixed_tokens = one_program_mixed_tokens if split_steps else None
         self.max_decode_rows = bucket(max_rows, MIN_DECODE_ROWS)
         self.max_prompt_seqs = min(MAX_PROMPT_SEQS, max_rows)  # the scheduler admits no more per step
         # Every step's sampled tokens, at their output rows, stay on the device: the next step,
@@ -330,14 +339,17 @@ class Runner:
     # -- which programs a step runs ------------------------------------------------------------------
 
     def programs_of(self, batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-        return program_parts(batch, self.split_steps)
+        return program_parts(batch, self.split_steps, self.one_program_mixed_tokens)
 
     def step_key(self, batch: list[tuple[Request, int]], planned: bool = True) -> StepProgram:
         """The program one part of a step (:meth:`programs_of`) runs. The rows' pages need not be
         allocated yet."""
         params = [r.params for r, _ in batch]
-        return StepProgram(step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs),
-                           max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch), sampler_for(params))
+        shape = step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs)
+        if self.one_program_mixed_tokens is not None and shape.decode_rows and shape.prompt_tokens:
+            shape = dataclasses.replace(shape, decode_rows=self.max_decode_rows)  # one program per prompt bucket
+        return StepProgram(shape, max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch),
+                           sampler_for(params))
 
     def prompt_seqs_limit(self, prompt_tokens: int) -> int:
         """The prompt chunks a step of ``prompt_tokens`` prompt tokens may hold (the scheduler's cap):
@@ -361,7 +373,8 @@ class Runner:
     def program_table(self, max_prompt_tokens: int, samplers=("greedy",)) -> list[StepProgram]:
         """The programs steps of at most ``max_prompt_tokens`` prompt tokens can run, per sampler, without
         log-probs: a decode program per decode-row bucket (with cascade attention where the model has it, and
-        also without it up to PLAIN_DECODE_ROWS rows), a prompt program per prompt-token bucket."""
+        also without it up to PLAIN_DECODE_ROWS rows), a prompt program per prompt-token bucket, and a mixed
+        program per prompt-token bucket from ``one_program_mixed_tokens`` on."""
         if not self.has_program_table:
             raise ValueError("the step programs form a table only where both attention sections run the kernels "
                              "and mixed steps are split (Runner.has_program_table)")
@@ -374,6 +387,8 @@ class Runner:
         for tokens in token_buckets(max_prompt_tokens):
             rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
             shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
+            if self.one_program_mixed_tokens is not None and tokens >= self.one_program_mixed_tokens:
+                shapes.append(StepShape(self.max_decode_rows, tokens, rows, row_width, width, seqs, cascade))
         programs = [StepProgram(shape, 0, None, sampler) for sampler in samplers for shape in shapes]
         if self.decode_steps > 1:  # multi-step decode programs (no cascade attention)
             programs += [StepProgram(StepShape(d, 0, 0, 1, width, 0), 0, None, sampler, self.decode_steps)
