@@ -405,8 +405,9 @@ def run_engine_variant(llm, variant: str, scale: float = 1.0) -> tuple[str, dict
     name, _, settings = variant.rpartition(":")
     name = name or "b"
     overrides = parse_settings(settings)
-    if "precompile_samplers" in overrides and overrides["precompile_samplers"] is None:  # =none: compile on first use
-        overrides["precompile_samplers"] = ()
+    if "precompile_samplers" in overrides:  # =none: compile on first use; =greedy+tempered: those samplers
+        samplers = overrides["precompile_samplers"]
+        overrides["precompile_samplers"] = () if samplers is None else tuple(samplers.split("+"))
     config = dataclasses.replace(llm.engine.config, **overrides)
     attention = llm.engine.runner.attention
     llm.engine = None
