@@ -165,6 +165,33 @@ class Server:
     def log_tail(self) -> str:
         return tail(self.log_path)
 
+    def cpu_seconds(self) -> dict:
+        """CPU seconds (user + system) the frontend process and its children (the engine core) have used so
+        far, from /proc (Linux; {} elsewhere): whether the frontend's Python is what limits a pass shows as
+        its share of one core and its cost per streamed event."""
+        def times(pid: int) -> float | None:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                return None
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+        frontend = times(self.proc.pid)
+        if frontend is None:
+            return {}
+        children = 0.0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid == self.proc.pid:
+                    children += times(int(entry)) or 0.0
+        return {"frontend": frontend, "core": children}
+
     def compiles(self) -> int:
         """Programs the server has compiled so far (JAX_LOG_COMPILES lines in its log)."""
         return self.log_text().count("Compiling jit(")
@@ -329,9 +356,10 @@ def percentiles(values, scale: float = 1.0) -> dict:
 
 def run_pass(server: Server, workload, clients: int, timeout: float) -> tuple[dict, list[Record]]:
     """One pass of the whole workload; returns (its summary, the records)."""
-    compiles, cpu0, t0 = server.compiles(), time.process_time(), time.perf_counter()
+    compiles, cpu0, t0, server0 = server.compiles(), time.process_time(), time.perf_counter(), server.cpu_seconds()
     records = asyncio.run(_load(server.url, workload, clients, timeout))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    server1 = server.cpu_seconds()
     good = [r for r in records if r.error is None]
     tokens = sum(r.completion_tokens for r in good)
     events = sum(len(r.text_times) for r in good)
@@ -344,6 +372,10 @@ def run_pass(server: Server, workload, clients: int, timeout: float) -> tuple[di
                "tpot_ms": percentiles([r.tpot for r in good], 1e3),
                "e2e_s": percentiles([r.end - r.t0 for r in good]),
                "client_cpu_fraction": cpu / wall, "server_compiles": server.compiles() - compiles}
+    if server0 and server1:
+        frontend, core = server1["frontend"] - server0["frontend"], server1["core"] - server0["core"]
+        summary.update(frontend_cpu_fraction=frontend / wall, core_cpu_fraction=core / wall,
+                       frontend_cpu_us_per_event=1e6 * frontend / events if events else None)
     return summary, records
 
 
@@ -396,6 +428,10 @@ def print_table(report: dict) -> None:
           f"{s['generated_tokens']} tokens ({s['tokens_per_event'] or 0:.2f} tokens/event); client CPU "
           f"{100 * s['client_cpu_fraction']:.0f}% of one core; {s['server_compiles']} server compiles during the "
           f"pass; errors {report['errors']}, server exit status {report['server']['exit_status']}")
+    if s.get("frontend_cpu_fraction") is not None:
+        print(f"server CPU: frontend {100 * s['frontend_cpu_fraction']:.0f}% of one core "
+              f"({s['frontend_cpu_us_per_event'] or 0:.0f} us per text event), engine core "
+              f"{100 * s['core_cpu_fraction']:.0f}%")
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -403,7 +439,7 @@ def print_table(report: dict) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--checkpoint", help="checkpoint directory (default: the embedded demo)")
-    ap.add_argument("--write-preset", choices=["llama3-8b", "tiny"],
+    ap.add_argument("--write-preset", choices=["llama3-8b", "llama3-8b-kv", "qwen3-30b-a3b-12l", "tiny"],
                     help="write this synthetic checkpoint (bench/serve.py's PRESETS) into --checkpoint if absent")
     ap.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's, else a synthetic one)")
     ap.add_argument("--clients", type=int, default=200, help="concurrent streaming clients (closed loop)")

@@ -320,11 +320,14 @@ class OpenAIServer:
         try:
             for chunk in chunks.first():
                 yield responses.sse(chunk)
-            async for delta in stream:
-                timer.delta(delta.index, len(delta.token_ids), delta.finish_reason)
-                counts.add(delta)
-                for chunk in chunks.chunks(delta):
-                    yield responses.sse(chunk)
+            async for deltas in stream.batches():  # every delta queued so far: one write for all
+                events = []
+                for delta in deltas:
+                    timer.delta(delta.index, len(delta.token_ids), delta.finish_reason)
+                    counts.add(delta)
+                    events += [responses.sse(chunk) for chunk in chunks.chunks(delta)]
+                if events:
+                    yield "".join(events)
             if api.include_usage:
                 yield responses.sse(chunks.usage(counts.usage()))
             outcome = "done"

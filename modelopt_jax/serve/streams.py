@@ -80,15 +80,35 @@ class Stream:
         return self._deltas()
 
     async def _deltas(self):
-        while self._open:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self._close()
-                raise EngineFailure(str(item)) from item
-            index, output = item
-            delta = self._delta(index, output)
-            if delta is not None:
+        async for deltas in self.batches():
+            for delta in deltas:
                 yield delta
+
+    async def batches(self):
+        """The deltas as lists: each wake-up takes every output already queued, so a reader that
+        fell behind (the event loop busy with other streams) catches up in one go -- a streaming
+        response then sends them in one write rather than one per token."""
+        while self._open:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            deltas = []
+            for item in items:
+                if not self._open:
+                    break
+                try:
+                    if isinstance(item, BaseException):
+                        self._close()
+                        raise EngineFailure(str(item)) from item
+                    delta = self._delta(*item)
+                except EngineFailure:
+                    if deltas:  # what came before the failure still reaches the client
+                        yield deltas
+                    raise
+                if delta is not None:
+                    deltas.append(delta)
+            if deltas:
+                yield deltas
 
     @property
     def finished(self) -> bool:
