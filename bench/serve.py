@@ -36,7 +36,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COPY_BANDWIDTH = 4.3e12
+# Bytes/s a roofline divides by: the H200's measured device copy bandwidth; the H100 80GB's HBM3
+# figure (3.35 TB/s; on 2026-12-07 the H100 runs were divided by the H200's 4.3).
+COPY_BANDWIDTH = {"H200": 4.3e12, "H100": 3.35e12}
+
+
+def copy_bandwidth(device_kind: str) -> float:
+    return next((bw for name, bw in COPY_BANDWIDTH.items() if name in device_kind), COPY_BANDWIDTH["H200"])
 PREFILL_CHUNK = 256  # the static peer's prompt positions per prefill call
 PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256),
@@ -154,6 +160,25 @@ def weight_bytes(model) -> int:
 
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))) - \
         model.embed_tokens.table[...].nbytes
+
+
+def decode_weight_bytes(model, tokens: int = 1) -> int:
+    """The weight bytes a decode step of ``tokens`` tokens reads: every weight but the embedding table,
+    except that a sparse layer's experts are read only where a token is routed (at most ``tokens x
+    top_k`` of its experts; on 2026-12-07 the batch-1 roofline of a Qwen3-MoE layout counted all 128)."""
+    import jax
+    from flax import nnx
+
+    from modelopt_jax.models.moe import SparseMoE
+
+    total = weight_bytes(model)
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, SparseMoE):
+            touched = min(module.num_experts, tokens * module.top_k) / module.num_experts
+            experts = sum(x.nbytes for part in (module.gate_up, module.down)
+                          for x in jax.tree_util.tree_leaves(nnx.state(part, nnx.Param)))
+            total -= round(experts * (1 - touched))
+    return total
 
 
 def kv_bytes_per_token(model) -> int:
@@ -531,7 +556,7 @@ def main():
                 second = time.perf_counter() - t
                 st["gpu_before"], st["gpu_after"] = gpu, gpu_state()
                 ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
-                roof = 1e3 * (wb + context * kvt) / COPY_BANDWIDTH
+                roof = 1e3 * (decode_weight_bytes(model, 1) + context * kvt) / copy_bandwidth(dev.device_kind)
                 report["runs"][f"c{context}"] = {**st, "ms_per_decode_step": ms, "roofline_ms": roof,
                                                  "first_run_s": first, "second_run_s": second,
                                                  "first_over_second": first / second}
@@ -560,7 +585,9 @@ def main():
             fresh = time.perf_counter() - t
         ms = 1e3 * st["decode_s"] / max(st["decode_steps"], 1)
         # decode-only steps of (a) run at batch 64 over 1024..1152 tokens: roofline at the mean context
-        roof = 1e3 * (wb + len(prompts) * (1024 + 64) * kvt) / COPY_BANDWIDTH if name == "a" and args.scale == 1 \
+        roof = 1e3 * (decode_weight_bytes(model, len(prompts)) + len(prompts) * (1024 + 64) * kvt) \
+            / copy_bandwidth(dev.device_kind) \
+            if name == "a" and args.scale == 1 \
             else None
         report["runs"][name] = {**st, "first_run_s": first, "second_run_s": second,
                                 "first_over_second": first / second if second else None,
