@@ -33,7 +33,12 @@ def _prompts(args) -> list:
     return prompts or [DEFAULT_PROMPT]
 
 
-def _load(args, path: str, progress):
+# The server runs one forward a launch: a streaming client then gets each token as its step ends,
+# one event per token, rather than a burst of EngineConfig.decode_steps tokens per launch.
+SERVER_DECODE_STEPS = 1
+
+
+def _load(args, path: str, progress, decode_steps: int | None = None):
     """The LLM the model options of ``generate`` / ``serve`` describe (after an inspect report unless --quiet)."""
     import jax
 
@@ -48,7 +53,8 @@ def _load(args, path: str, progress):
               tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
-              kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache)
+              kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
+              **({} if decode_steps is None else {"decode_steps": decode_steps}))
     progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
     return llm
 
@@ -164,7 +170,7 @@ def _serve(args) -> int:
     ready = f"serving {path} as {', '.join(names)} on {url}"  # stdout's first line: clients wait for it
     try:
         if args.in_process_engine:
-            llm = _load(args, path, _progress(args))
+            llm = _load(args, path, _progress(args), decode_steps=SERVER_DECODE_STEPS)
             app = build_app(llm, names, chat_template=args.chat_template, ready=lambda: print(ready, flush=True),
                             log_requests=not args.disable_log_requests)
             serve(app, sock, **_serve_options(args))
@@ -204,7 +210,7 @@ def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
                    kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
-                   quiet=args.quiet)
+                   decode_steps=SERVER_DECODE_STEPS, quiet=args.quiet)
     client = CoreClient(options, tokenizer=prompts.tokenizer,
                         on_death=lambda reason: os.kill(os.getpid(), signal.SIGTERM))  # stop serving
     try:

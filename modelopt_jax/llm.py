@@ -63,6 +63,9 @@ class LLM:
     ``precompile``: where the step programs form a finite table (the CUDA kernels' attention), compile
     it here (greedy and temperature sampling, no log-probs), so no ``generate`` step waits for a
     compile; JAX's persistent cache makes a later start load the programs instead.
+    ``decode_steps``: forwards a decode-only step of at most a few rows runs in one launch when nothing
+    waits to be admitted (``EngineConfig.decode_steps``; 1: one forward a launch). At batch 1 the host's
+    cycle per launch can be longer than the GPU's step; the server streams one forward a launch.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, quantization: str | None = "modelopt",
@@ -73,17 +76,19 @@ class LLM:
                  weight_cache_timeout: float | None = None, kv_cache_memory_fraction: float = 0.9,
                  kv_cache_bytes: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-                 enable_prefix_caching: bool = True, precompile: bool = True, **unknown: Any):
+                 enable_prefix_caching: bool = True, precompile: bool = True,
+                 decode_steps: int = EngineConfig.decode_steps, **unknown: Any):
         if unknown:
             raise ArgumentTypeError(f"LLM() got unexpected keyword argument(s) {sorted(unknown)}; supported: model, "
                             f"quantization, dtype, max_model_len, kv_cache_dtype, backend, tokenizer, "
                             f"compilation_cache_dir, tensor_parallel_size, weight_cache, weight_cache_dir, "
                             f"weight_cache_timeout, kv_cache_memory_fraction, kv_cache_bytes, max_num_seqs, "
-                            f"max_num_batched_tokens, enable_prefix_caching, precompile")
+                            f"max_num_batched_tokens, enable_prefix_caching, precompile, decode_steps")
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      enable_prefix_caching=enable_prefix_caching,
                                      precompile_samplers=EngineConfig.precompile_samplers if precompile else (),
-                                     kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes)
+                                     kv_cache_memory_fraction=kv_cache_memory_fraction, kv_cache_bytes=kv_cache_bytes,
+                                     decode_steps=decode_steps)
         if not isinstance(precompile, bool):
             raise InvalidArgumentError(f"precompile={precompile!r} must be a bool")
         if quantization not in QUANTIZATIONS:

@@ -31,7 +31,9 @@ def llm():
 
 
 def _engine(llm, attention=None, **config):
-    defaults = dict(max_num_seqs=16, max_num_batched_tokens=128, kv_cache_bytes=64 << 20, precompile_samplers=())
+    # one forward a launch unless a test asks for more (the reference the multi-step runs are held to)
+    defaults = dict(max_num_seqs=16, max_num_batched_tokens=128, kv_cache_bytes=64 << 20, precompile_samplers=(),
+                    decode_steps=1)
     return Engine(llm.model, max_model_len=llm.max_model_len, pad_id=llm.engine.runner.pad_id,
                   config=EngineConfig(**{**defaults, **config}), attention=attention)
 

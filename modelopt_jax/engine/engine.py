@@ -63,10 +63,12 @@ class EngineConfig:
                                               # rows padded to max_num_seqs' bucket (the table gains a program per
                                               # such prompt bucket); the weights are then read once, not twice.
                                               # None: every mixed step runs as two programs
-    decode_steps: int = 1                     # > 1: decode-only steps of at most runner.MULTI_STEP_ROWS rows, with
+    decode_steps: int = 4                     # > 1: decode-only steps of at most runner.MULTI_STEP_ROWS rows, with
                                               # nothing waiting to be admitted, run this many forwards in one launch
                                               # (the host's cycle paid once per that many tokens; tokens a row
-                                              # samples after its stop are dropped)
+                                              # samples after its stop are dropped). 4: batch-1 MoE decode where
+                                              # the host's cycle exceeds the GPU's step ran 1.4-1.6x faster per token,
+                                              # a GPU-bound dense 8B the same (H100, bench/RESULTS.md 2026-12-07)
 
     def __post_init__(self):
         if not (isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1):
@@ -198,6 +200,9 @@ class Engine:
         # would batch compositions and, through bf16/FP8 near-ties, tokens; a script run twice
         # must give the same text.
         self.compile_in_background = False
+        # False (the server): one forward a launch whatever config.decode_steps says, so a streaming
+        # client gets each token as its forward ends rather than a launch's tokens at once.
+        self.multi_step = True
         self._deferred_since: float | None = None
         self._inflight = None
         # A page's keys/values depend on its tokens and on what the cache stores them as.
@@ -306,7 +311,8 @@ class Engine:
         whose budget those tokens complete leaves the running set now (its pages can serve the next
         step: the device runs steps in order)."""
         self._stats["max_running"] = max(self._stats["max_running"], len(self._scheduler.running))
-        steps = self._scheduler.decode_steps(batch, self.config.decode_steps, MULTI_STEP_ROWS)
+        steps = self._scheduler.decode_steps(batch, self.config.decode_steps if self.multi_step else 1,
+                                             MULTI_STEP_ROWS)
         launched = self.runner.launch(batch, steps)
         if launched.is_prompt:
             self._deferred_since = None  # a prompt step runs: any wait for a compile is over

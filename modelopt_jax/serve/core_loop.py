@@ -32,6 +32,8 @@ class CoreLoop:
         # Requests arrive at any time, so prompt steps meet new shapes long after start-up: their
         # programs compile off-thread while the running requests keep decoding (Engine.step).
         engine.compile_in_background = True
+        # Streams see every token as its forward ends: no multi-step launches (EngineConfig.decode_steps).
+        engine.multi_step = False
         self._live: dict[int, Request] = {}     # id -> request in the engine
         self._ids: dict[Request, int] = {}      # and back
         self._reported: dict[int, int] = {}     # id -> tokens already reported
