@@ -15,7 +15,9 @@
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
 #   llama3-8b; llama3-8b-kv adds ModelOpt's FP8 KV scales, as NVIDIA's exports have, so both engines keep FP8
 #   pages under kv_cache_dtype=auto -- give peer the same PRESET and a CKPT_DIR of its own) into CKPT_DIR first
-#   if absent. ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs)
+#   if absent (name one under /dev/shm, a 128 GB tmpfs on the device machines: on 2026-12-07 the 7.5 GB MoE preset
+#   took 22 s there and the 8B under 40 s, against 3-4 minutes in /tmp on its disk).
+#   ckpt-bg CKPT_DIR starts that write in the background (3-4 minutes on the H200 machine's CPUs in /tmp)
 #   so GPU steps after it run meanwhile; the next serve / serve-http step waits for it.
 # peer CKPT_DIR WORKLOADS [noprefix] [fp8]: vLLM 0.26.0 (unpacked into /tmp/vsite by tools/peer's
 #   device_unpack.sh) on serve's workloads (bench/peer_vllm_workloads.py; noprefix: its prefix caching off;
