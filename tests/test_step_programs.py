@@ -108,24 +108,30 @@ def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm)
                for p in engine.runner.shapes)
 
 
-def test_large_mixed_steps_run_as_one_program_from_the_table(llm):
+@pytest.mark.parametrize("cascade_group", [0, 4])
+def test_large_mixed_steps_run_as_one_program_from_the_table(llm, cascade_group):
     """With ``one_program_mixed_tokens``, a mixed step whose prompt chunks pad to at least that many
     tokens runs as one program (the weights read once), its decode rows padded to the largest decode
     bucket so that such programs are one per prompt bucket and sit in the start-up table; smaller
-    mixed steps still split. Tokens and log-probs equal the XLA layout's, nothing compiles in line."""
+    mixed steps still split. Tokens and log-probs equal the XLA layout's, nothing compiles in line.
+    With cascade attention and no shared prefix, a mixed step keeps the cascade program the table
+    holds (only decode-only steps switch to the plain one: the GPU run of 2026-12-07 met a mixed
+    step that switched, and compiled it in line)."""
     original = llm.engine
     try:
         prompts, params = _workload(3)
         greedy = [dataclasses.replace(p, logprobs=None) for p in params]
         want, _ = _run(llm, _engine(llm), prompts, greedy)
-        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",), max_num_seqs=16, one_program_mixed_tokens=64)
+        attention = dataclasses.replace(KERNELS, cascade_group=cascade_group)
+        engine = _engine(llm, attention, precompile_samplers=("greedy",), max_num_seqs=16, one_program_mixed_tokens=64)
         runner = engine.runner
         assert runner.max_decode_rows == 16
         table = runner.program_table(128)
         mixed = sorted(p.shape.prompt_tokens for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
         assert mixed == [64, 128]
         assert all(p.shape.decode_rows == 16 for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
-        assert len(table) == len(decode_buckets(16)) + len(token_buckets(128)) + 2
+        decode_programs = len(decode_buckets(16)) * (2 if cascade_group else 1)  # plain twins of small buckets
+        assert len(table) == decode_programs + len(token_buckets(128)) + 2
         got, stats = _run(llm, engine, prompts, greedy)
     finally:
         llm.engine = original

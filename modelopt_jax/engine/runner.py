@@ -551,7 +551,9 @@ class Runner:
         if shape.cascade:
             plan = shared_prefixes([r for r, _ in decode], self.attention.cascade_group, page, shape.table_width,
                                    cascade_lines(nd, self.attention.cascade_group), pad=nd)
-            if not plan.rows_sharing and nd <= PLAIN_DECODE_ROWS:  # nothing shared: the program without it
+            # nothing shared in a decode-only step: the program without it (the table holds plain
+            # variants of decode-only shapes only; a mixed step's prompt work hides the cascade part)
+            if not plan.rows_sharing and nd <= PLAIN_DECODE_ROWS and not shape.prompt_tokens:
                 plan = None
                 key = dataclasses.replace(key, shape=dataclasses.replace(shape, cascade=False))
                 shape = key.shape
