@@ -6,8 +6,9 @@
 #     SERVER:   ours (python -m modelopt_jax serve: frontend + engine-core processes, every default)
 #               ours-thread (the same with --in-process-engine: the engine on a thread of the HTTP process)
 #               vllm (vllm serve --quantization modelopt, its defaults but prefix caching as below)
-#     WORKLOAD: random (500 requests, at most 200 in flight, input 64-1024 tokens, output 32-512; vLLM with
-#               prefix caching off, as the engines are compared without it)
+#     WORKLOAD: random (500 requests, at most 200 in flight, input 64-1024 tokens, output 32-512; both servers
+#               with prefix caching off: the reported pass repeats the warm-up pass's prompts, and until
+#               2026-12-07 ours kept its default (on) here and reused the warm-up pass's pages)
 #               prefix (the same plus a 1500-token prefix shared by every request, a long system prompt;
 #               both servers with prefix caching on)
 # The checkpoint's files are linked into /tmp/ckt with .peer/tok's tokenizer (one word per id, so each
@@ -27,6 +28,7 @@ tag=${server}_${workload}
 case "$server" in
   ours|ours-thread)
     flags=(); [ "$server" = ours-thread ] && flags+=(--in-process-engine)
+    [ "$workload" = random ] && flags+=(--no-prefix-caching)  # as vLLM below: the passes repeat their prompts
     # /tmp/vsite after the project: the bundle's pyzmq, msgspec and prometheus_client serve ours too
     PYTHONPATH=$root:/tmp/vsite XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 MODELOPT_JAX_NATIVE_DIR=$root/.native \
       python3 -m modelopt_jax serve /tmp/ckt --port 8001 --served-model-name m --quiet --disable-log-requests \
@@ -46,7 +48,11 @@ for i in $(seq 1 300); do
   sleep 1
 done
 echo "$tag ready after $(( $(date +%s) - t0 )) s"
+# CPU seconds (user + system) of the server's process and of each child (the engine core), from /proc
+cpu_of() { for p in "$srv" $(pgrep -P "$srv"); do [ -r /proc/$p/stat ] && printf "%s:%s:%s " "$p" "$(tr -c 'A-Za-z0-9_.\n-' _ < /proc/$p/comm)" \
+  "$(sed 's/.*) //' /proc/$p/stat | awk '{printf "%.2f", ($12 + $13) / 100}')"; done; }
 for pass in warm run; do
+  [ "$pass" = run ] && cpu_before=$(cpu_of) && t_run=$(date +%s.%N)
   PYTHONPATH=/tmp/vsite timeout 400 python3 -m vllm.entrypoints.cli.main bench serve --backend vllm \
     --base-url http://127.0.0.1:8001 --endpoint /v1/completions --model m --tokenizer /tmp/ckt --dataset-name random \
     --random-input-len "$IN" --random-output-len "$OUTLEN" --random-range-ratio "$R" --random-prefix-len "$PREFIX" \
@@ -55,6 +61,15 @@ for pass in warm run; do
     --result-filename "bench_${tag}_$pass.json" 2>&1 | tee "$OUT/bench_${tag}_$pass.log" \
     | grep -E "throughput|TTFT|TPOT|ITL|E2EL" | grep -E "Request|Output|Median|P99"
 done
+cpu_after=$(cpu_of); t_end=$(date +%s.%N)
+python3 - "$cpu_before" "$cpu_after" "$t_run" "$t_end" <<'PY' | tee "$OUT/cpu_$tag.txt"
+import sys
+before, after = ({k: (n, float(c)) for k, n, c in (x.split(":") for x in s.split())} for s in sys.argv[1:3])
+wall = float(sys.argv[4]) - float(sys.argv[3])
+for pid, (name, c) in after.items():
+    busy = c - before.get(pid, (name, 0.0))[1]
+    print(f"process {pid} {name}: {busy:.1f} CPU s over the reported pass's {wall:.1f} s ({100 * busy / wall:.0f}% of a core)")
+PY
 case "$server" in ours*) python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8001/metrics', timeout=5).read().decode())" > "$OUT/metrics_$tag.txt" 2>&1 ;; esac
 kill -TERM "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 echo "$tag server exit status $?"

@@ -238,8 +238,9 @@ def _model_options(p) -> None:
                         "of 1024 tokens, else 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per engine step at most: the running requests' next tokens plus prompt chunks")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   help="compute every prompt in full (default: prompts share the cached pages of a common prefix)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
+                   help="compute every prompt in full (default: prompts share the cached pages of a common prefix; "
+                        "the second spelling is vLLM's)")
     p.add_argument("--no-precompile", action="store_true",
                    help="compile each step program when first needed (default, where the CUDA kernels run: "
                         "compile every step program at start-up, so no request waits for a compile)")

@@ -128,3 +128,27 @@ def test_generate_streams_each_prompt_as_its_tokens_arrive(monkeypatch):
     # prompt 0: a write per launch (one token, or a multi-step launch's tokens), mid-generation
     assert len(during) >= 11 // llm.engine.config.decode_steps and during == sorted(during)
     assert llm.engine.pool.free == llm.engine.pool.num_pages - 1
+
+
+def test_prefix_caching_flag_takes_vllms_spelling_too(capsys, monkeypatch):
+    """``--no-prefix-caching`` and vLLM's ``--no-enable-prefix-caching`` both reach the LLM as
+    ``enable_prefix_caching=False`` (a command line copied from ``vllm serve`` keeps its meaning);
+    without either it is on."""
+    import pytest
+
+    import modelopt_jax
+
+    seen = []
+
+    class Refuse(Exception):
+        pass
+
+    def fake_llm(path, **options):
+        seen.append(options["enable_prefix_caching"])
+        raise Refuse
+
+    monkeypatch.setattr(modelopt_jax, "LLM", fake_llm)
+    for flag in (["--no-prefix-caching"], ["--no-enable-prefix-caching"], []):
+        with pytest.raises(Refuse):
+            main(["generate", "--quiet", *flag])
+    assert seen == [False, False, True]
