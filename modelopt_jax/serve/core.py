@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
             now = time.monotonic()
             if now - reported >= REPORT_S and core.stats["steps"] != last_steps:
                 g, tokens = core.gauges(), core.stats["tokens"]
-                log.info("%.0f tokens/s over %.0f s; running %d, waiting %d, KV %.0f%%, %d programs compiled, "
+                log.info("%.0f tokens/s over %.0f s; running %d, waiting %d, KV %.0f%%, %d step programs used, "
                          "%d steps deferred prompts for a compile, %d preempted", (tokens - last_tokens) / (now - reported),
                          now - reported, g.running, g.waiting, 100 * g.kv_cache_usage, g.programs,
                          g.decodes_while_compiling, g.preemptions)

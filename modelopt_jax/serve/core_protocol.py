@@ -75,7 +75,7 @@ class EngineGauges(msgspec.Struct, array_like=True):
     kv_cache_usage: float           # fraction of KV pages held by requests (cached-but-free pages excluded)
     prefix_cache_hit_tokens: int    # prompt tokens taken from the prefix cache, since start
     preemptions: int                # since start
-    programs: int                   # step programs compiled, since start
+    programs: int                   # distinct step programs run since start (from the table or compiled in line)
     decodes_while_compiling: int    # steps whose prompt chunks waited for their program to compile, since start
 
 
