@@ -121,6 +121,31 @@ def test_the_core_refuses_a_bad_request_alone(reference):
     assert loop.gauges().running == 0 and loop.gauges().kv_cache_usage == 0.0
 
 
+def test_the_core_log_line_says_what_the_steps_were():
+    """The engine core's periodic log line reports the steps of its window from ``Engine.counters()``:
+    those with prompt chunks and the decode-only ones, with their mean times, and the prompt tokens
+    computed (a server's inter-token latency is these step times)."""
+    from modelopt_jax.serve.core import step_mix
+
+    llm = LLM(dtype="float32", max_model_len=128, kv_cache_bytes=1 << 20)
+    loop = CoreLoop(llm.engine, llm.model.config.vocab_size)
+    before = llm.engine.counters()
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    loop.submit([core_request(r, i) for i, r in enumerate(llm.requests([PROMPT, PROMPT + " again"], params))])
+    while loop.has_work:
+        loop.step()
+    after = llm.engine.counters()
+    prompt_tokens = sum(len(r.prompt_ids) for r in llm.requests([PROMPT, PROMPT + " again"], params))
+    # the second prompt starts with the first: the prefix cache may hold some of its pages
+    assert 0 < after["prefill_tokens_computed"] - before["prefill_tokens_computed"] <= prompt_tokens
+    assert after["steps"] - before["steps"] >= 5 and after["prefill_steps"] > before["prefill_steps"]
+    line = step_mix(before, after)
+    decode_only = (after["steps"] - before["steps"]) - (after["prefill_steps"] - before["prefill_steps"])
+    assert f"{after['steps'] - before['steps']} steps: {after['prefill_steps'] - before['prefill_steps']} with " \
+        "prompt chunks" in line and f"{decode_only} decode-only at " in line and " ms" in line, line
+    assert step_mix(after, after).startswith("0 steps: 0 with prompt chunks (0 beside decodes) at -, 0 decode-only at -")
+
+
 def test_served_by_the_core_process_equals_the_in_process_engine(reference):
     proc, url = _start()
     try:

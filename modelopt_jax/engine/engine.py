@@ -254,6 +254,16 @@ class Engine:
                 "preemptions": self._scheduler.preemptions, "programs": len(self.runner.shapes),
                 "decodes_while_compiling": self._scheduler.decodes_while_compiling}
 
+    def counters(self) -> dict[str, int | float]:
+        """Step counts and times since the last ``generate`` began (since start in a server, which
+        only steps), for a server's periodic log: a caller takes differences between two calls.
+        ``prefill_s`` / ``decode_s`` are the wall time of steps with / without prompt chunks."""
+        stats = self._stats
+        return {"steps": stats["steps"], "prefill_steps": stats["prefill_steps"], "mixed_steps": stats["mixed_steps"],
+                "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
+                "prefill_tokens_computed": stats["prefill_tokens_computed"],
+                "shared_prefix_rows": self.runner.shared_prefix_rows, "inline_compiles": self.runner.inline_compiles}
+
     @property
     def has_work(self) -> bool:
         return not self._scheduler.done or self._inflight is not None

@@ -46,6 +46,20 @@ def _llm(options: dict):
     return llm
 
 
+def step_mix(before: dict, after: dict) -> str:
+    """What the engine's steps between two ``Engine.counters()`` were: how many held prompt chunks
+    and how long those and the decode-only ones took on average (a server's inter-token latency
+    is these step times), the prompt tokens computed, and the decode rows that read a shared
+    prefix once per line (cascade attention)."""
+    d = {k: after[k] - before[k] for k in after}
+    decode_only = d["steps"] - d["prefill_steps"]
+    per_step = lambda s, n: f"{1000 * s / n:.1f} ms" if n else "-"  # noqa: E731
+    return (f"{d['steps']} steps: {d['prefill_steps']} with prompt chunks ({d['mixed_steps']} beside decodes) at "
+            f"{per_step(d['prefill_s'], d['prefill_steps'])}, {decode_only} decode-only at "
+            f"{per_step(d['decode_s'], decode_only)}; {d['prefill_tokens_computed']} prompt tokens computed, "
+            f"{d['shared_prefix_rows']} decode rows read a shared prefix, {d['inline_compiles']} compiled in line")
+
+
 def main(argv: list[str]) -> int:
     import zmq
 
@@ -81,6 +95,7 @@ def main(argv: list[str]) -> int:
     poller.register(inbox, zmq.POLLIN)
     checked = reported = time.monotonic()
     last_steps = last_tokens = 0
+    last_counters = llm.engine.counters()
     try:
         while True:
             outputs = []
@@ -109,12 +124,12 @@ def main(argv: list[str]) -> int:
                 outbox.send(encode(StepOutputs(outputs, core.gauges())))
             now = time.monotonic()
             if now - reported >= REPORT_S and core.stats["steps"] != last_steps:
-                g, tokens = core.gauges(), core.stats["tokens"]
+                g, tokens, counters = core.gauges(), core.stats["tokens"], llm.engine.counters()
                 log.info("%.0f tokens/s over %.0f s; running %d, waiting %d, KV %.0f%%, %d step programs used, "
-                         "%d steps deferred prompts for a compile, %d preempted", (tokens - last_tokens) / (now - reported),
+                         "%d steps deferred prompts for a compile, %d preempted; %s", (tokens - last_tokens) / (now - reported),
                          now - reported, g.running, g.waiting, 100 * g.kv_cache_usage, g.programs,
-                         g.decodes_while_compiling, g.preemptions)
-                reported, last_steps, last_tokens = now, core.stats["steps"], tokens
+                         g.decodes_while_compiling, g.preemptions, step_mix(last_counters, counters))
+                reported, last_steps, last_tokens, last_counters = now, core.stats["steps"], tokens, counters
             if now - checked >= PARENT_CHECK_S:
                 checked = now
                 if os.getppid() != parent:
