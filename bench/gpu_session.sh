@@ -11,7 +11,8 @@
 #                             [serve CKPT_DIR WORKLOADS [fp8] [static] [profile] [staged] [noprefill] [nofusedwrite]
 #                                    [noprefix] [nocascade] [noprecompile] [host] [engine [W:]K=V[,K=V]]...]
 #                             [peer CKPT_DIR WORKLOADS [noprefix] [fp8]]
-#                             [serve-http CKPT_DIR [ARGS...]]
+#                             [serve-http CKPT_DIR [ARGS...]] [peer-parts I...] [peer-finish]
+#                             [serve-peer ours|ours-thread|vllm CKPT_DIR random|prefix]
 # attach / tp-bench / serve / serve-http write a synthetic FP8 checkpoint (bench/serve.py preset $PRESET, default
 #   llama3-8b; llama3-8b-kv adds ModelOpt's FP8 KV scales, as NVIDIA's exports have, so both engines keep FP8
 #   pages under kv_cache_dtype=auto -- give peer the same PRESET and a CKPT_DIR of its own) into CKPT_DIR first
@@ -35,6 +36,10 @@
 #   the table it would write is in $OUT/dispatch.json; --write is left to a deliberate run).
 # attn-splits: the decode kernel's GPU time by CTAs per (token, kv head), beside kernel_splits' choice.
 # prefill-tests / attn-prefill: the prefill kernel's tests; its GPU time on the engine's prompt-step shapes vs XLA.
+# peer-parts / peer-finish: vLLM's bundle onto the machine (../shared/tools/peer), back-to-back calls on one warm
+#   machine. serve-peer: bench/serve_peer.sh (`vllm bench serve` against one server; ours waits for the bundle
+#   too, for the load client), then each server process's CPU over the reported pass and the engine core's step
+#   mix. Write one synthetic checkpoint at a time: on 2026-12-07 two writers at once broke one's process pool.
 # serve-http: bench/http_load.py (the server under 200 streaming clients, then LLM.generate on the same prompts);
 #   ARGS go to it (e.g. --requests 500 --kv-cache-dtype fp8) and take the rest of the line, so it comes last.
 # sanitize: compute-sanitizer memcheck over the GPU tests of our kernels and of the weight cache's
@@ -49,7 +54,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --for
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 step=${1:-}
 # A step's own arguments run up to the next step name (so "grouped-bench ARGS... tune ARGS..." works).
-STEPS=" tests memcheck sanitize tune bench grouped-tests grouped-bench accuracy dispatch wc-tests tp-tests attach tp-bench cascade-tests attn-tests attn-bench attn-prefill prefill-tests attn-splits ckpt-bg serve peer serve-http "
+STEPS=" peer-parts peer-finish serve-peer tests memcheck sanitize tune bench grouped-tests grouped-bench accuracy dispatch wc-tests tp-tests attach tp-bench cascade-tests attn-tests attn-bench attn-prefill prefill-tests attn-splits ckpt-bg serve peer serve-http "
 is_step() { [[ "$STEPS" == *" $1 "* ]]; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -163,6 +168,15 @@ print('memcheck sample done')
       peer_json=$OUT/vllm_$tag.json
       env -u PYTHONPATH python3 bench/peer_vllm_workloads.py --checkpoint "$ckpt" --workloads "$workloads" "${extra[@]}" \
         --json "$peer_json" 2>&1 | tee "$OUT/vllm_$tag.log" | tail -30 ;;
+    peer-parts) shift  # then part numbers: each call carries .peer/bin and those .peer/pI (two 29 MiB parts fit one call)
+      while [ $# -gt 0 ] && [[ "$1" =~ ^[0-9]+$ ]]; do bash .peer/bin/device_unpack.sh part "$1" | tail -1; shift; done ;;
+    peer-finish) shift; bash .peer/bin/device_unpack.sh finish 2>&1 | tail -2 ;;  # carries .peer/bin and .peer/wheels
+    serve-peer) server=$2; ckpt=$3; workload=$4; shift 4
+      [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
+      [ -f "$ckpt/config.json" ] || (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', '${PRESET:-llama3-8b}')")
+      timeout "${SERVE_PEER_TIMEOUT:-560}" bash bench/serve_peer.sh "$server" "$ckpt" "$workload"
+      cat "$OUT/cpu_${server}_$workload.txt" 2>/dev/null
+      grep -E "tokens/s over" "$OUT/server_${server}_$workload.log" 2>/dev/null | tail -4 | cut -c1-400 ;;
     serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset "${PRESET:-llama3-8b}" \
