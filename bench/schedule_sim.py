@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--reserve-tokens", type=int, default=1024)
     ap.add_argument("--one-program", action="store_true", help="mixed steps as one program (EngineConfig."
                                                                 "split_steps=False), not a decode and a prompt one")
+    ap.add_argument("--pow2-prompt-buckets", action="store_true",
+                    help="prompt tokens pad to powers of two only (EngineConfig.fine_prompt_buckets=False)")
     ap.add_argument("--cascade-group", type=int, default=16,
                     help="AttentionConfig.cascade_group (Llama-3-8B on the GPU: 16; 0: no cascade attention)")
     ap.add_argument("--verbose", action="store_true", help="print every program's shape and step count")
@@ -85,10 +87,11 @@ def main():
         args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
     pool = PagePool(args.pages, args.page_size)
     args.split = not args.one_program
+    args.fine = fine = not args.pow2_prompt_buckets
     args.cap = cap = min(MAX_PROMPT_SEQS, args.max_num_seqs)
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          reserve_tokens=args.reserve_tokens, split_steps=args.split,
-                          prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens), cap)[2])
+                          reserve_tokens=args.reserve_tokens, split_steps=args.split, fine_prompt_buckets=fine,
+                          prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens, fine=fine), cap)[2])
     attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel",  # the H200's paths
                                 cascade_group=args.cascade_group)
     seen = set()
@@ -114,8 +117,8 @@ def simulate(args, scheduler, attention, requests, run):
     while not scheduler.done:
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
-        for part in program_parts(batch, args.split):
-            key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap)
+        for part in program_parts(batch, args.split, fine_prompt_buckets=args.fine):
+            key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap, fine_prompt_buckets=args.fine)
             shapes[key] += 1
             padded += key.tokens
             if key.prompt_tokens:  # a program with prompt chunks: its prompt tokens as run (padded), and as fed

@@ -18,7 +18,8 @@ import pytest
 from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams
 from modelopt_jax.engine import Engine, EngineConfig
-from modelopt_jax.engine.buckets import decode_buckets, token_buckets
+from modelopt_jax.engine.buckets import (FINE_PROMPT_SIZES, decode_buckets, floor_token_bucket, token_bucket,
+                                        token_buckets)
 from modelopt_jax.engine.runner import PLAIN_DECODE_ROWS, PROMPT_TILE
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
@@ -106,6 +107,46 @@ def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm)
     # some prompt program really held a chunk longer than one tile
     assert any(p.shape.prompt_width == PROMPT_TILE and p.shape.prompt_tokens > PROMPT_TILE
                for p in engine.runner.shapes)
+
+
+def test_prompt_token_buckets_with_and_without_the_fine_sizes():
+    """Powers of two up to 1024 and multiples of 1024 above; with ``fine`` also 384, 768 and 1536.
+    A step's prompt tokens pad to the smallest size that holds them, a budget rounds down to the
+    largest size it holds, and ``token_buckets`` lists every size a step can pad to."""
+    assert token_buckets(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192]
+    assert token_buckets(8192, fine=True) == sorted(token_buckets(8192) + list(FINE_PROMPT_SIZES))
+    assert token_buckets(300, fine=True) == [16, 32, 64, 128, 256, 384]
+    for fine in (False, True):
+        sizes = token_buckets(20000, fine=fine)
+        for n in range(1, 20001):
+            assert token_bucket(n, fine=fine) == min(s for s in sizes if s >= max(n, 16)), (n, fine)
+            assert floor_token_bucket(n, fine=fine) == (n if n < 16 else max(s for s in sizes if s <= n)), (n, fine)
+    assert [token_bucket(n) for n in (300, 600, 1100)] == [512, 1024, 2048]
+    assert [token_bucket(n, fine=True) for n in (300, 600, 1100)] == [384, 768, 1536]
+
+
+@pytest.mark.parametrize("fine", [False, True])
+def test_fine_prompt_buckets_pad_a_step_less_and_run_from_the_table(llm, fine):
+    """With ``fine_prompt_buckets`` (the default) two prompts of 150 tokens admitted together pad to a
+    384-token prompt program, not 512; the table holds that program, nothing compiles in line, and
+    the tokens equal the XLA layout's and the powers-of-two run's."""
+    original = llm.engine
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 256, 150).tolist() for _ in range(2)]
+    greedy = [SamplingParams(max_tokens=5, ignore_eos=True)] * 2
+    try:
+        want, _ = _run(llm, _engine(llm, max_num_batched_tokens=512), prompts, greedy)
+        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",), max_num_batched_tokens=512,
+                         fine_prompt_buckets=fine)
+        table = engine.runner.program_table(512)
+        got, stats = _run(llm, engine, prompts, greedy)
+    finally:
+        llm.engine = original
+    _assert_same(got, want)
+    assert stats["inline_compiles"] == 0 and engine.runner.shapes <= set(table)
+    prompt_sizes = {p.shape.prompt_tokens for p in engine.runner.shapes if p.shape.prompt_tokens}
+    assert prompt_sizes == ({384} if fine else {512})
+    assert (384 in {p.shape.prompt_tokens for p in table}) == fine
 
 
 @pytest.mark.parametrize("cascade_group", [0, 4])

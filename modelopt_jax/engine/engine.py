@@ -63,6 +63,9 @@ class EngineConfig:
                                               # rows padded to max_num_seqs' bucket (the table gains a program per
                                               # such prompt bucket); the weights are then read once, not twice.
                                               # None: every mixed step runs as two programs
+    fine_prompt_buckets: bool = True          # a step's prompt tokens pad to powers of two and also to 384, 768
+                                              # and 1536 (buckets.FINE_PROMPT_SIZES): less padded prompt work for
+                                              # one arriving prompt, three more programs per sampler to compile
     decode_steps: int = 4                     # > 1: decode-only steps of at most runner.MULTI_STEP_ROWS rows, with
                                               # nothing waiting to be admitted, run this many forwards in one launch
                                               # (the host's cycle paid once per that many tokens; tokens a row
@@ -85,6 +88,8 @@ class EngineConfig:
             raise ConfigError(f"reserve_tokens={value!r} must be a non-negative integer")
         if not isinstance(self.decode_steps, int) or isinstance(self.decode_steps, bool) or not 1 <= self.decode_steps <= 64:
             raise ConfigError(f"decode_steps={self.decode_steps!r} must be an integer from 1 to 64")
+        if not isinstance(self.fine_prompt_buckets, bool):
+            raise ConfigError(f"fine_prompt_buckets={self.fine_prompt_buckets!r} must be a bool")
         if not isinstance(self.split_steps, bool):
             raise ConfigError(f"split_steps={self.split_steps!r} must be a bool")
         value = self.one_program_mixed_tokens
@@ -192,7 +197,7 @@ class Engine:
         self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
                              max_rows=config.max_num_seqs, split_steps=config.split_steps,
                              one_program_mixed_tokens=config.one_program_mixed_tokens,
-                             decode_steps=config.decode_steps)
+                             decode_steps=config.decode_steps, fine_prompt_buckets=config.fine_prompt_buckets)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a step whose program is not compiled yet runs its decodes alone while
         # it compiles off-thread (Runner.ready; at most MAX_PROMPT_DEFER_S, then in line). Off for
@@ -211,7 +216,8 @@ class Engine:
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     reserve_tokens=config.reserve_tokens, key_salt=salt,
                                     sliding_window=model.config.sliding_window,
-                                    prompt_seqs_limit=self.runner.prompt_seqs_limit, split_steps=config.split_steps)
+                                    prompt_seqs_limit=self.runner.prompt_seqs_limit, split_steps=config.split_steps,
+                                    fine_prompt_buckets=config.fine_prompt_buckets)
         self.precompiled, self.precompile_seconds = 0, 0.0
         if config.precompile_samplers and self.runner.has_program_table:
             self.precompile(config.precompile_samplers)

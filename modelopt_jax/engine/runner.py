@@ -140,7 +140,8 @@ def kernel_prompt_section(prompt_tokens: int, max_prompt_seqs: int) -> tuple[int
 
 
 def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fixed_table_width: int,
-               planned: bool = False, max_prompt_seqs: int = MAX_PROMPT_SEQS) -> StepShape:
+               planned: bool = False, max_prompt_seqs: int = MAX_PROMPT_SEQS,
+               fine_prompt_buckets: bool = False) -> StepShape:
     """The padded shape of the program that runs ``batch`` (rows feeding one token are decode rows).
 
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): decode rows
@@ -153,6 +154,7 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     attention gathers the whole width and every row's keys: tables are a power of two of pages (at
     least 8) covering the longest row, one prompt row per sequence, its width and the rows powers of
     two. ``planned``: the rows' pages are not allocated yet (count those their fed tokens will need).
+    ``fine_prompt_buckets``: the prompt tokens' sizes include ``buckets.FINE_PROMPT_SIZES``.
     """
     page = attention.page_size
     decode = [n for _, n in batch if n == 1]
@@ -167,7 +169,7 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     cascade = bool(attention.cascade_group and decode)  # the runner drops it where no row shares a prefix
     if not prompt:
         return StepShape(decode_rows, 0, 0, 1, width, 0, cascade)
-    tokens = token_bucket(sum(prompt))
+    tokens = token_bucket(sum(prompt), fine=fine_prompt_buckets)
     if fixed:
         rows, row_width, seqs = kernel_prompt_section(tokens, max_prompt_seqs)
         # a caller past the scheduler's sequence cap still gets a shape that holds its rows
@@ -179,15 +181,16 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     return StepShape(decode_rows, tokens, rows, row_width, width, seqs, cascade)
 
 
-def program_parts(batch: list[tuple[Request, int]], split: bool,
-                  one_program_tokens: int | None = None) -> list[list[tuple[Request, int]]]:
+def program_parts(batch: list[tuple[Request, int]], split: bool, one_program_tokens: int | None = None,
+                  fine_prompt_buckets: bool = False) -> list[list[tuple[Request, int]]]:
     """The rows each program of a step of ``batch`` runs, in launch order (decode rows first): the
     decodes' and the prompt chunks' programs where ``split`` and the step holds both, unless its
     prompt chunks pad to at least ``one_program_tokens`` tokens; else one."""
     decode = [(r, n) for r, n in batch if n == 1]
     prompt = [(r, n) for r, n in batch if n > 1]
     if split and decode and prompt and not (
-            one_program_tokens is not None and token_bucket(sum(n for _, n in prompt)) >= one_program_tokens):
+            one_program_tokens is not None
+            and token_bucket(sum(n for _, n in prompt), fine=fine_prompt_buckets) >= one_program_tokens):
         return [decode, prompt]
     return [decode + prompt]
 
@@ -297,7 +300,8 @@ class Runner:
 
     def __init__(self, model, num_pages: int, attention: AttentionConfig, pad_id: int = 0,
                  fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True,
-                 one_program_mixed_tokens: int | None = None, decode_steps: int = 1):
+                 one_program_mixed_tokens: int | None = None, decode_steps: int = 1,
+                 fine_prompt_buckets: bool = False):
         from flax import nnx
 
         self.attention = attention
@@ -305,6 +309,7 @@ class Runner:
         self.page_size = attention.page_size
         self.split_steps = split_steps
         self.one_program_mixed_tokens = one_program_mixed_tokens if split_steps else None
+        self.fine_prompt_buckets = fine_prompt_buckets  # prompt sections also pad to FINE_PROMPT_SIZES
         self.max_decode_rows = bucket(max_rows, MIN_DECODE_ROWS)
         self.max_prompt_seqs = min(MAX_PROMPT_SEQS, max_rows)  # the scheduler admits no more per step
         # Every step's sampled tokens, at their output rows, stay on the device: the next step,
@@ -339,13 +344,14 @@ class Runner:
     # -- which programs a step runs ------------------------------------------------------------------
 
     def programs_of(self, batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-        return program_parts(batch, self.split_steps, self.one_program_mixed_tokens)
+        return program_parts(batch, self.split_steps, self.one_program_mixed_tokens, self.fine_prompt_buckets)
 
     def step_key(self, batch: list[tuple[Request, int]], planned: bool = True) -> StepProgram:
         """The program one part of a step (:meth:`programs_of`) runs. The rows' pages need not be
         allocated yet."""
         params = [r.params for r, _ in batch]
-        shape = step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs)
+        shape = step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs,
+                           self.fine_prompt_buckets)
         if self.one_program_mixed_tokens is not None and shape.decode_rows and shape.prompt_tokens:
             shape = dataclasses.replace(shape, decode_rows=self.max_decode_rows)  # one program per prompt bucket
         return StepProgram(shape, max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch),
@@ -356,7 +362,8 @@ class Runner:
         where the prefill kernel runs, what its step shape has rows for (:func:`kernel_prompt_section`)."""
         if self.attention.prefill == "xla":
             return self.max_prompt_seqs
-        return kernel_prompt_section(token_bucket(prompt_tokens), self.max_prompt_seqs)[2]
+        return kernel_prompt_section(token_bucket(prompt_tokens, fine=self.fine_prompt_buckets),
+                                     self.max_prompt_seqs)[2]
 
     def step_keys(self, batch: list[tuple[Request, int]], planned: bool = True) -> list[StepProgram]:
         return [self.step_key(part, planned) for part in self.programs_of(batch)]
@@ -384,7 +391,7 @@ class Runner:
         if cascade:  # and without it, where no row shares a prefix (PLAIN_DECODE_ROWS)
             shapes += [StepShape(d, 0, 0, 1, width, 0) for d in decode_buckets(self.max_decode_rows)
                        if d <= PLAIN_DECODE_ROWS]
-        for tokens in token_buckets(max_prompt_tokens):
+        for tokens in token_buckets(max_prompt_tokens, fine=self.fine_prompt_buckets):
             rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
             shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
             if self.one_program_mixed_tokens is not None and tokens >= self.one_program_mixed_tokens:

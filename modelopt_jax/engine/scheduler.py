@@ -38,13 +38,14 @@ from modelopt_jax.engine.request import Request
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int, reserve_tokens: int = 0,
                  key_salt: bytes = b"", sliding_window: int | None = None, prompt_seqs_limit=None,
-                 split_steps: bool = False):
+                 split_steps: bool = False, fine_prompt_buckets: bool = False):
         self.pool = pool
         # prompt_seqs_limit(prompt tokens) -> the prompt chunks a step of that many prompt tokens may hold
         self.prompt_seqs_limit = prompt_seqs_limit or (lambda tokens: MAX_PROMPT_SEQS)
         # The runner runs a step's decodes and prompt chunks as two programs: the prompt budget is then
         # rounded down to a prompt-token bucket (its program is filled exactly), not the step's padding.
         self.split_steps = split_steps
+        self.fine_prompt_buckets = fine_prompt_buckets  # the runner's prompt-token sizes (buckets.FINE_PROMPT_SIZES)
         self.sliding_window = sliding_window  # the model's: pages wholly before every later token's window go back
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -124,7 +125,7 @@ class Scheduler:
             # the decode rows as the step will pad them (one program) or the prompt program's token
             # bucket (two): a busy step's prompt chunks then fill it exactly, and such steps share a program
             if self.split_steps:
-                budget = floor_token_bucket(self.max_num_batched_tokens - len(decodes))
+                budget = floor_token_bucket(self.max_num_batched_tokens - len(decodes), fine=self.fine_prompt_buckets)
             else:
                 budget = self.max_num_batched_tokens - (bucket(len(decodes), MIN_DECODE_ROWS) if decodes else 0)
             plan = self._plan_prompts(budget)
