@@ -2,7 +2,7 @@
 the programs they compile (``step_shape``), for tuning the scheduler and the bucketing on a CPU.
 
     python bench/schedule_sim.py [--workload b] [--pages 53469] [--max-num-seqs N] [--max-num-batched-tokens 8192]
-                                 [--reserve-tokens 1024]
+                                 [--reserve-tokens 1024] [--pow2-prompt-buckets] [--one-program]
 
 ``--pages`` defaults to the pool ``LLM`` gives the synthetic 8B FP8 checkpoint on the H200 (bf16
 pages, kv_cache_memory_fraction 0.9). Every sampled token is a fixed id and no request stops
