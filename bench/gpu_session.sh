@@ -175,8 +175,8 @@ print('memcheck sample done')
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
       [ -f "$ckpt/config.json" ] || (cd bench && python3 -c "from serve import write_preset as w; w('$ckpt', '${PRESET:-llama3-8b}')")
       timeout "${SERVE_PEER_TIMEOUT:-560}" bash bench/serve_peer.sh "$server" "$ckpt" "$workload"
-      cat "$OUT/cpu_${server}_$workload.txt" 2>/dev/null
-      grep -E "tokens/s over" "$OUT/server_${server}_$workload.log" 2>/dev/null | tail -4 | cut -c1-400 ;;
+      cat "$OUT/cpu_${server}_$workload${TAG_SUFFIX:-}.txt" 2>/dev/null
+      grep -E "tokens/s over" "$OUT/server_${server}_$workload${TAG_SUFFIX:-}.log" 2>/dev/null | tail -4 | cut -c1-400 ;;
     serve-http) ckpt=$2; shift 2; args=("$@"); shift $#
       [ -n "${ckpt_pid:-}" ] && { wait "$ckpt_pid"; cat "$OUT/ckpt.log"; ckpt_pid=; }
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 bench/http_load.py --checkpoint "$ckpt" --write-preset "${PRESET:-llama3-8b}" \

@@ -12,7 +12,8 @@
 #               prefix (the same plus a 1500-token prefix shared by every request, a long system prompt;
 #               both servers with prefix caching on)
 # The checkpoint's files are linked into /tmp/ckt with .peer/tok's tokenizer (one word per id, so each
-# token is one text delta). N, C, IN, OUTLEN, R, PREFIX override the load.
+# token is one text delta). N, C, IN, OUTLEN, R, PREFIX override the load; OURS_FLAGS adds options to ours
+# (TAG_SUFFIX then keeps its files apart).
 set -uo pipefail
 server=$1; ckpt=$2; workload=$3
 N=${N:-500}; C=${C:-200}; IN=${IN:-544}; OUTLEN=${OUTLEN:-272}; R=${R:-0.88}; OUT=${OUT:-/tmp/out}
@@ -24,11 +25,12 @@ rm -f /tmp/ckt/tokenizer.json /tmp/ckt/tokenizer_config.json /tmp/ckt/special_to
 cp "$root"/.peer/tok/*.json /tmp/ckt/
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
   PYTHONUNBUFFERED=1
-tag=${server}_${workload}
+tag=${server}_${workload}${TAG_SUFFIX:-}
 case "$server" in
   ours|ours-thread)
     flags=(); [ "$server" = ours-thread ] && flags+=(--in-process-engine)
     [ "$workload" = random ] && flags+=(--no-prefix-caching)  # as vLLM below: the passes repeat their prompts
+    read -ra extra <<< "${OURS_FLAGS:-}"; flags+=("${extra[@]}")  # e.g. OURS_FLAGS="--max-num-batched-tokens 768"
     # /tmp/vsite after the project: the bundle's pyzmq, msgspec and prometheus_client serve ours too
     PYTHONPATH=$root:/tmp/vsite XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 MODELOPT_JAX_NATIVE_DIR=$root/.native \
       python3 -m modelopt_jax serve /tmp/ckt --port 8001 --served-model-name m --quiet --disable-log-requests \
