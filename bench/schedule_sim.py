@@ -29,7 +29,8 @@ from modelopt_jax.engine.engine import default_max_num_seqs  # noqa: E402
 from modelopt_jax.engine.pages import PagePool  # noqa: E402
 from modelopt_jax.engine.request import Request  # noqa: E402
 from modelopt_jax.engine.buckets import MAX_PROMPT_SEQS, MIN_DECODE_ROWS, bucket, token_bucket  # noqa: E402
-from modelopt_jax.engine.runner import kernel_prompt_section, program_parts, shared_prefixes, step_shape  # noqa: E402
+from modelopt_jax.engine.step_programs import (kernel_prompt_section, program_parts, shared_prefixes,  # noqa: E402
+                                               step_shape)
 from modelopt_jax.ops.paged_step import AttentionConfig, cascade_lines  # noqa: E402
 from modelopt_jax.engine.scheduler import Scheduler  # noqa: E402
 from modelopt_jax.sampling import SamplingParams  # noqa: E402

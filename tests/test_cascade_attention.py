@@ -23,7 +23,7 @@ from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams
 from modelopt_jax.engine import Engine, EngineConfig
 from modelopt_jax.engine.request import Request
-from modelopt_jax.engine.runner import shared_prefixes
+from modelopt_jax.engine.step_programs import shared_prefixes
 from modelopt_jax.ops.attention import step_attention
 from modelopt_jax.ops.paged_step import AttentionConfig, PagedStep, cascade_lines
 

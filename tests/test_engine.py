@@ -495,7 +495,7 @@ def test_steps_take_the_fixed_table_width_only_where_kernels_run_every_section()
     """Where a step's sections all run kernels that read only the pages in use, its table width is
     the fixed full-sequence width (one program fewer per width); where XLA gathers the whole width
     it stays bucketed to the longest row."""
-    from modelopt_jax.engine.runner import step_shape
+    from modelopt_jax.engine.step_programs import step_shape
     from modelopt_jax.ops.paged_step import AttentionConfig, StepShape
 
     def request(i, n, computed):

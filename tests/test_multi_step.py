@@ -17,7 +17,7 @@ from fixture_paths import fixture_dir
 from modelopt_jax import LLM, SamplingParams
 from modelopt_jax.engine import Engine, EngineConfig
 from modelopt_jax.engine.buckets import decode_buckets, token_buckets
-from modelopt_jax.engine.runner import MULTI_STEP_ROWS
+from modelopt_jax.engine.step_programs import MULTI_STEP_ROWS
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
 

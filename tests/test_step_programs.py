@@ -20,7 +20,7 @@ from modelopt_jax import LLM, SamplingParams
 from modelopt_jax.engine import Engine, EngineConfig
 from modelopt_jax.engine.buckets import (FINE_PROMPT_SIZES, decode_buckets, floor_token_bucket, token_bucket,
                                         token_buckets)
-from modelopt_jax.engine.runner import PLAIN_DECODE_ROWS, PROMPT_TILE
+from modelopt_jax.engine.step_programs import PLAIN_DECODE_ROWS, PROMPT_TILE
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
 
