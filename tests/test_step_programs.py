@@ -10,6 +10,7 @@ summation order. The kernels' layout runs on a CPU through the XLA fallbacks tha
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -251,3 +252,21 @@ def test_decode_steps_without_a_shared_prefix_run_the_program_without_cascade_at
     finally:
         llm.engine = original
     assert [c.token_ids for c in got[0].outputs] == [c.token_ids for c in want[0].outputs]
+
+
+def test_a_prompt_step_stores_its_keys_and_values_with_plain_stores(llm):
+    """The prompt program's page writes are scatters that declare their indices unique (a step's
+    real tokens never share a slot), so XLA's GPU emitter stores each element plainly instead of
+    an atomic read-modify-write per element; every pool scatter of the program says so."""
+    engine = _engine(llm, KERNELS)
+    runner = engine.runner
+    (key,) = [p for p in runner.program_table(128) if p.shape.prompt_tokens == 128]
+    text = runner._step.lower(key, *runner._abstract_operands(key)).as_text()
+    # (unique flag, operand type) of every scatter: its attributes open it, its signature closes it
+    scatters = re.findall(r'"stablehlo\.scatter".*?unique_indices = (\w+).*?\}\) : \((tensor<[^>]*>)', text, re.S)
+    data = runner.cache.keys[0].data  # [pages * page size, kv heads, head dim]
+    assert data.dtype == np.float32
+    pool_type = f"tensor<{'x'.join(map(str, data.shape))}xf32>"
+    pool_scatters = [unique for unique, operand in scatters if operand == pool_type]
+    assert len(pool_scatters) == 2 * len(runner.cache.keys), scatters  # keys and values, every layer
+    assert set(pool_scatters) == {"true"}, scatters

@@ -100,6 +100,19 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, *, k_sca
     return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 
 
+def store_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """``pool`` with ``rows`` [T, ...] stored at ``slots`` [T]: a step's new keys or values.
+
+    The slots of a step's real tokens never repeat (each token has its own position); padding
+    tokens all write the scratch slot, whose content is unspecified either way (any XLA scatter
+    of repeated indices keeps one of the writes). Saying so (``unique_indices``) lets XLA's GPU
+    emitter store each element plainly: without it, it emits an atomic read-modify-write per
+    element, a compare-and-swap loop for 16- and 8-bit elements. A profile of prompt steps on an H100 put
+    the two scatters of a layer at about 0.2 TB/s (bench/RESULTS.md, 2026-12-06, third session).
+    """
+    return pool.at[slots].set(rows, unique_indices=True)
+
+
 def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                           slots: jax.Array, *, k_scale: float | None, v_scale: float | None, page_size: int,
                           token_rows: jax.Array, positions: jax.Array, block_tables: jax.Array, dtype,
@@ -122,7 +135,7 @@ def paged_write_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_po
                                row_tokens=row_tokens, decode_variant=decode_variant, decode_splits=decode_splits)
 
     def scatter_then_attend(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, block_tables):
-        k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+        k_pool, v_pool = store_rows(k_pool, slots, k_new), store_rows(v_pool, slots, v_new)
         out = attend(q, k_pool, v_pool, token_rows=token_rows, positions=positions, block_tables=block_tables,
                      backend="auto" if backend == "fused_kernel" else backend)
         return out, k_pool, v_pool
@@ -166,12 +179,12 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
                                   splits=config.decode_splits)
 
         def scatter_then_xla(q, k_new, v_new, k_pool, v_pool, slots, token_rows, positions, tables):
-            k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+            k_pool, v_pool = store_rows(k_pool, slots, k_new), store_rows(v_pool, slots, v_new)
             return xla_decode(q, k_pool, v_pool, token_rows, positions, tables), k_pool, v_pool
 
         return jax.lax.platform_dependent(q, k_new, v_new, k_pool, v_pool, step.slots, decode_rows, step.positions,
                                           step.block_tables[:d], cuda=fused, default=scatter_then_xla)
-    k_pool, v_pool = k_pool.at[step.slots].set(k_new), v_pool.at[step.slots].set(v_new)
+    k_pool, v_pool = store_rows(k_pool, step.slots, k_new), store_rows(v_pool, step.slots, v_new)
     parts = []
     if d and step.shared_lengths is not None:
         parts.append(_cascade_decode(q[:d], None, None, k_pool, v_pool, step, fused=False, **kernel_args)[0])
@@ -225,7 +238,7 @@ def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: 
                                                  with_lse=True)
 
         def scatter_then_xla(q, k_new, v_new, k_pool, v_pool, slots, tables, positions):
-            k_pool, v_pool = k_pool.at[slots].set(k_new), v_pool.at[slots].set(v_new)
+            k_pool, v_pool = store_rows(k_pool, slots, k_new), store_rows(v_pool, slots, v_new)
             return (*xla_own(q, k_pool, v_pool, tables, positions + 1), k_pool, v_pool)
 
         own_out, own_lse, k_pool, v_pool = jax.lax.platform_dependent(
