@@ -92,7 +92,8 @@ def main():
     args.cap = cap = min(MAX_PROMPT_SEQS, args.max_num_seqs)
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           reserve_tokens=args.reserve_tokens, split_steps=args.split, fine_prompt_buckets=fine,
-                          prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens, fine=fine), cap)[2])
+                          prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens, fine=fine),
+                                                                                 cap)[2])
     attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel",  # the H200's paths
                                 cascade_group=args.cascade_group)
     seen = set()

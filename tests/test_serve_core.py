@@ -143,7 +143,8 @@ def test_the_core_log_line_says_what_the_steps_were():
     decode_only = (after["steps"] - before["steps"]) - (after["prefill_steps"] - before["prefill_steps"])
     assert f"{after['steps'] - before['steps']} steps: {after['prefill_steps'] - before['prefill_steps']} with " \
         "prompt chunks" in line and f"{decode_only} decode-only at " in line and " ms" in line, line
-    assert step_mix(after, after).startswith("0 steps: 0 with prompt chunks (0 beside decodes) at -, 0 decode-only at -")
+    assert step_mix(after, after).startswith(
+        "0 steps: 0 with prompt chunks (0 beside decodes) at -, 0 decode-only at -")
 
 
 def test_served_by_the_core_process_equals_the_in_process_engine(reference):

@@ -21,8 +21,8 @@ import jax
 from modelopt_jax.engine.pages import PagePool
 from modelopt_jax.engine.request import Request, RequestOutput, group_outputs, logprob_entry
 from modelopt_jax.engine.runner import Runner
-from modelopt_jax.engine.step_programs import MULTI_STEP_ROWS
 from modelopt_jax.engine.scheduler import Scheduler
+from modelopt_jax.engine.step_programs import MULTI_STEP_ROWS
 from modelopt_jax.errors import ConfigError
 from modelopt_jax.ops.paged_step import AttentionConfig
 from modelopt_jax.sampling import SAMPLERS
@@ -67,8 +67,9 @@ class EngineConfig:
     fine_prompt_buckets: bool = True          # a step's prompt tokens pad to powers of two and also to 384, 768
                                               # and 1536 (buckets.FINE_PROMPT_SIZES): less padded prompt work for
                                               # one arriving prompt, three more programs per sampler to compile
-    decode_steps: int = 4                     # > 1: decode-only steps of at most step_programs.MULTI_STEP_ROWS rows, with
-                                              # nothing waiting to be admitted, run this many forwards in one launch
+    decode_steps: int = 4                     # > 1: decode-only steps of at most step_programs.MULTI_STEP_ROWS
+                                              # rows, with nothing waiting to be admitted, run this many forwards in
+                                              # one launch
                                               # (the host's cycle paid once per that many tokens; tokens a row
                                               # samples after its stop are dropped). 4: batch-1 MoE decode where
                                               # the host's cycle exceeds the GPU's step ran 1.4-1.6x faster per token,

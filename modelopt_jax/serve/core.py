@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
             if now - reported >= REPORT_S and core.stats["steps"] != last_steps:
                 g, tokens, counters = core.gauges(), core.stats["tokens"], llm.engine.counters()
                 log.info("%.0f tokens/s over %.0f s; running %d, waiting %d, KV %.0f%%, %d step programs used, "
-                         "%d steps deferred prompts for a compile, %d preempted; %s", (tokens - last_tokens) / (now - reported),
+                         "%d steps deferred prompts for a compile, %d preempted; %s",
+                         (tokens - last_tokens) / (now - reported),
                          now - reported, g.running, g.waiting, 100 * g.kv_cache_usage, g.programs,
                          g.decodes_while_compiling, g.preemptions, step_mix(last_counters, counters))
                 reported, last_steps, last_tokens, last_counters = now, core.stats["steps"], tokens, counters
