@@ -38,7 +38,20 @@ def _prompts(args) -> list:
 SERVER_DECODE_STEPS = 1
 
 
-def _load(args, path: str, progress, decode_steps: int | None = None):
+def _llm_options(args, **overrides) -> dict:
+    """``LLM`` keyword arguments from the model and engine options of ``generate`` / ``serve``
+    (:func:`_model_options`), the model path aside; ``overrides`` replace or add some. The one
+    place that maps the flags, whether the LLM is built here or in the engine-core process."""
+    options = dict(quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
+                   max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
+                   tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
+                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache)
+    return {**options, **overrides}
+
+
+def _load(args, path: str, progress, **overrides):
     """The LLM the model options of ``generate`` / ``serve`` describe (after an inspect report unless --quiet)."""
     import jax
 
@@ -48,13 +61,7 @@ def _load(args, path: str, progress, decode_steps: int | None = None):
     if not args.quiet:
         print(format_report(inspect_checkpoint(path)), end="\n\n", file=sys.stderr)
     progress(f"[load] {path} ({args.dtype}, backend {args.backend}) ...")
-    llm = LLM(path, quantization=None if args.quantization == "auto" else args.quantization, dtype=args.dtype,
-              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, backend=args.backend,
-              tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
-              kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
-              **({} if decode_steps is None else {"decode_steps": decode_steps}))
+    llm = LLM(path, **_llm_options(args, **overrides))
     progress(f"[load] done in {llm.load_seconds:.2f} s on {jax.devices()[0].device_kind}")
     return llm
 
@@ -204,13 +211,8 @@ def _serve_with_core(args, path: str, names: list[str], sock, ready: str) -> int
 
     config = Checkpoint.open(path).model_config
     prompts = PromptProcessor(path, config, resolve_max_model_len(config, args.max_model_len), args.tokenizer)
-    options = dict(model=path, quantization=None if args.quantization == "auto" else args.quantization,
-                   dtype=args.dtype, max_model_len=prompts.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-                   backend=args.backend, tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=not args.no_prefix_caching, precompile=not args.no_precompile,
-                   kv_cache_memory_fraction=args.kv_cache_memory_fraction, weight_cache=args.weight_cache,
-                   decode_steps=SERVER_DECODE_STEPS, quiet=args.quiet)
+    options = dict(model=path, **_llm_options(args, max_model_len=prompts.max_model_len,
+                                              decode_steps=SERVER_DECODE_STEPS), quiet=args.quiet)
     client = CoreClient(options, tokenizer=prompts.tokenizer,
                         on_death=lambda reason: os.kill(os.getpid(), signal.SIGTERM))  # stop serving
     try:
