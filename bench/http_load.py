@@ -169,28 +169,21 @@ class Server:
         """CPU seconds (user + system) the frontend process and its children (the engine core) have used so
         far, from /proc (Linux; {} elsewhere): whether the frontend's Python is what limits a pass shows as
         its share of one core and its cost per streamed event."""
-        def times(pid: int) -> float | None:
+        def stat(pid) -> tuple[int, float] | None:
+            """(parent pid, CPU seconds) from /proc/PID/stat (the fields after the command's ")")."""
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
+                return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            except (OSError, ValueError, IndexError):
                 return None
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
-        frontend = times(self.proc.pid)
+        frontend = stat(self.proc.pid)
         if frontend is None:
             return {}
-        children = 0.0
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                if ppid == self.proc.pid:
-                    children += times(int(entry)) or 0.0
-        return {"frontend": frontend, "core": children}
+        children = [stat(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+        return {"frontend": frontend[1],
+                "core": sum(seconds for ppid, seconds in filter(None, children) if ppid == self.proc.pid)}
 
     def compiles(self) -> int:
         """Programs the server has compiled so far (JAX_LOG_COMPILES lines in its log)."""

@@ -43,6 +43,8 @@ COPY_BANDWIDTH = {"H200": 4.3e12, "H100": 3.35e12}
 
 def copy_bandwidth(device_kind: str) -> float:
     return next((bw for name, bw in COPY_BANDWIDTH.items() if name in device_kind), COPY_BANDWIDTH["H200"])
+
+
 PREFILL_CHUNK = 256  # the static peer's prompt positions per prefill call
 PRESETS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256),

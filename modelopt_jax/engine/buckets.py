@@ -35,7 +35,8 @@ def token_bucket(n: int, minimum: int = MIN_PROMPT_TOKENS, fine: bool = False) -
     if n > 1024:
         return 1536 if fine and n <= 1536 else -(-n // 1024) * 1024
     size = bucket(n, minimum)
-    return size * 3 // 4 if fine and size * 3 // 4 in FINE_PROMPT_SIZES and n <= size * 3 // 4 else size
+    three_quarters = size * 3 // 4
+    return three_quarters if fine and three_quarters in FINE_PROMPT_SIZES and n <= three_quarters else size
 
 
 def floor_token_bucket(n: int, fine: bool = False) -> int:
