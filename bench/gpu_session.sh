@@ -129,8 +129,8 @@ print('memcheck sample done')
     attn-bench) shift
       python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -30 ;;
     attn-prefill) shift
-      python3 bench/attention.py --prefill --json "$OUT/attention_prefill.json" 2>&1 \
-        | tee "$OUT/attention_prefill.log" | tail -20 ;;
+      python3 bench/attention.py --prefill --json "$OUT/attention_prefill${TAG:-}.json" 2>&1 \
+        | tee "$OUT/attention_prefill${TAG:-}.log" | tail -20 ;;
     prefill-tests) shift
       python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py -k "prefill" \
         2>&1 | tee "$OUT/prefill_tests.log" | tail -15 ;;
