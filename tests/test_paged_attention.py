@@ -200,7 +200,8 @@ def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, poo
     c["token_rows"] = np.concatenate([c["token_rows"], np.zeros(pad, np.int32)])
     c["row_tokens"][c["row_tokens"] == real] = real + pad
     args, static = _split(c)
-    poison = jnp.full((real + pad, heads, head_dim), jnp.nan, jnp.float32)
+    # poisoned in the compute dtype: the output the engine's prompt steps take (bf16 or f16 stores)
+    poison = jnp.full((real + pad, heads, head_dim), jnp.nan, dtype)
     fn = jax.jit(lambda a, o: paged_attention(**a, **static, backend="prefill_kernel", out_init=o))
     hlo = fn.lower(args, poison).compile().as_text()
     assert "modelopt_paged_prefill_poisoned" in hlo
@@ -221,6 +222,24 @@ def test_cuda_prefill_kernel_matches_float64_and_writes_every_element(shape, poo
         assert row_err < _tolerance(dtype, pool_dtype), (r, row_err)
     xla = np.asarray(paged_attention(**args, **static, backend="xla"), np.float64)
     assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < _tolerance(dtype, pool_dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_prefill_kernel_takes_q_and_gives_its_output_in_the_compute_dtype(dtype):
+    """No float32 copy of a prompt step's q or attention output: the op's CUDA lowering (made here
+    on any machine) passes q and returns the output in bf16 / f16, beside the pools."""
+    heads, kv_heads, head_dim, page, rows = PREFILL_CASES[1]
+    c = _case(7, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page=page, lengths_and_new=rows,
+              pool_dtype=dtype, dtype=dtype)
+    args, static = _split(c)
+    text = jax.jit(lambda a: paged_attention(**a, **static, backend="prefill_kernel")).trace(args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "custom_call @modelopt_paged_prefill(" in line)
+    el = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    t = len(c["positions"])
+    signature = call.rsplit(" : ", 1)[1]
+    assert signature.startswith(f"(tensor<{t}x{heads}x{head_dim}x{el}>"), signature
+    assert signature.endswith(f"-> tensor<{t}x{heads}x{head_dim}x{el}>"), signature
 
 
 @pytest.mark.gpu
@@ -394,3 +413,12 @@ def test_cuda_handlers_refuse_a_bad_pool_naming_the_op_and_what_is_wrong(op, sha
     run = (lambda: _raw_decode(q, pool, group, page)) if op.endswith("decode") else (lambda: _raw_prefill(q, pool, page))
     with pytest.raises(Exception, match=f"{op}: {message}"):
         jax.block_until_ready(run())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not native.has_cuda_handler(), reason="CUDA paged attention kernels not built")
+def test_cuda_prefill_handler_refuses_a_q_it_cannot_read():
+    q = jnp.asarray(np.arange(3 * 4 * 64).reshape(3, 4, 64) % 7, jnp.int32)
+    pool = jnp.asarray(np.random.default_rng(4).standard_normal((64, 2, 64)), jnp.bfloat16)
+    with pytest.raises(Exception, match="modelopt_paged_prefill: q must be float32, bfloat16 or float16"):
+        jax.block_until_ready(_raw_prefill(q, pool))

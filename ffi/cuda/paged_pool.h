@@ -7,7 +7,8 @@
 //
 // Pool layout (modelopt_jax.kv_cache.PagedKVCache): keys and values [slots, kv_heads, head_dim] of
 // one dtype (bf16, f16 or float8_e4m3fn codes), slot = block_table[row, p // page] * page + p % page.
-// q is float32 [tokens, heads, head_dim], heads a multiple of kv_heads.
+// q is [tokens, heads, head_dim] (float32; the prefill handler also takes bf16 or f16), heads a multiple
+// of kv_heads.
 #pragma once
 
 #include <cuda_bf16.h>

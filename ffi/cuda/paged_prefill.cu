@@ -21,10 +21,21 @@ using paged::DimsToString;
 
 constexpr paged::Op kOp{"modelopt_paged_prefill"};
 
+// q's or the output's element type as the kernel reads or writes it; false: not one it serves.
+bool IoOf(ffi::DataType type, Io* io) {
+  switch (type) {
+    case ffi::DataType::F32: *io = Io::kF32; return true;
+    case ffi::DataType::BF16: *io = Io::kBF16; return true;
+    case ffi::DataType::F16: *io = Io::kF16; return true;
+    default: return false;
+  }
+}
+
 // The handlers' body; ``lse`` ([tokens, heads] floats) only for the log-sum-exp variant, else null.
-ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+// q and out are each float32, bf16 or f16 (the engine passes its compute dtype for both).
+ffi::Error PagedPrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens, ffi::Buffer<ffi::S32> positions,
-                        ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale, float softmax_scale,
+                        ffi::Result<ffi::AnyBuffer> out, float k_scale, float v_scale, float softmax_scale,
                         int32_t page, float* lse) {
   paged::Pool pool;
   if (auto err = paged::ParsePool(kOp, "tokens", q.dimensions(), k, v, page, &pool); err.failure()) return err;
@@ -43,20 +54,24 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBu
     return kOp.Invalid("out must be q's shape " + DimsToString(qd) + ", got " + DimsToString(od));
   }
   if (rows > 65535 || pool.kv_heads > 65535) return kOp.Invalid("rows and kv_heads must be at most 65535");
+  Io q_type, out_type;
+  if (!IoOf(q.element_type(), &q_type)) return kOp.Invalid("q must be float32, bfloat16 or float16");
+  if (!IoOf(out->element_type(), &out_type)) return kOp.Invalid("out must be float32, bfloat16 or float16");
   // tokens in no row (step padding) keep these zeros; the kernel writes every other one. The
   // log-sum-exp variant skips this: its caller (cascade attention) reads only the tokens of rows
   // with a real position, and masks the rest.
   if (lse == nullptr) {
-    if (cudaError_t err = cudaMemsetAsync(out->typed_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
+    if (cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream); err != cudaSuccess) {
       return kOp.Cuda(err);
     }
   }
   if (rows == 0 || row_width == 0) return ffi::Error::Success();
 
   Params p;
-  p.q = q.typed_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
+  p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
   p.tables = tables.typed_data(), p.row_tokens = row_tokens.typed_data(), p.positions = positions.typed_data();
-  p.out = out->typed_data();
+  p.out = out->untyped_data();
+  p.q_type = q_type, p.out_type = out_type;
   p.lse = lse;
   p.tokens = static_cast<int>(tokens), p.kv_heads = static_cast<int>(pool.kv_heads);
   p.table_width = static_cast<int>(td[1]), p.row_width = static_cast<int>(row_width), p.page = pool.page;
@@ -76,9 +91,9 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBu
   });
 }
 
-ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
-                            ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale,
+                            ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::AnyBuffer> out, float k_scale,
                             float v_scale, float softmax_scale, int32_t page) {
   return PagedPrefill(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page,
                       nullptr);
@@ -86,10 +101,10 @@ ffi::Error PagedPrefillCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::A
 
 // Tests' variant: one more operand, aliased to the output, that they fill with NaN first, so an
 // element the kernel fails to write shows.
-ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
-                                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> /*out_init*/,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> out, float k_scale, float v_scale,
+                                    ffi::Buffer<ffi::S32> positions, ffi::AnyBuffer /*out_init*/,
+                                    ffi::Result<ffi::AnyBuffer> out, float k_scale, float v_scale,
                                     float softmax_scale, int32_t page) {
   return PagedPrefillCuda(stream, q, k, v, tables, row_tokens, positions, out, k_scale, v_scale, softmax_scale, page);
 }
@@ -99,9 +114,9 @@ ffi::Error PagedPrefillCudaPoisoned(cudaStream_t stream, ffi::Buffer<ffi::F32> q
 // attention over a shared prefix with the decode kernel's over each row's own pages. Unlike the
 // plain op, tokens of CTAs without a real position (all -1, or padding) are left unwritten in
 // both results: the caller masks them.
-ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_tokens,
-                               ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float k_scale, float v_scale,
                                float softmax_scale, int32_t page) {
   const auto qd = q.dimensions(), ld = lse->dimensions();
@@ -114,7 +129,7 @@ ffi::Error PagedPrefillLseCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> q, ffi
 
 template <typename Binding>
 auto BindResultsAndAttrs(Binding b) {
-  return std::move(b).template Ret<ffi::Buffer<ffi::F32>>()
+  return std::move(b).template Ret<ffi::AnyBuffer>()
       .template Attr<float>("k_scale")
       .template Attr<float>("v_scale")
       .template Attr<float>("softmax_scale")
@@ -124,7 +139,7 @@ auto BindResultsAndAttrs(Binding b) {
 auto BindOperands() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+      .Arg<ffi::AnyBuffer>()          // q [T, H, D] float32, bf16 or f16
       .Arg<ffi::AnyBuffer>()          // key pool [slots, KV, D]
       .Arg<ffi::AnyBuffer>()          // value pool
       .Arg<ffi::Buffer<ffi::S32>>()   // block tables [R, W]
@@ -140,7 +155,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCuda, modelopt_jax::cuda::pref
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::prefill::PagedPrefillLseCuda,
                               modelopt_jax::cuda::prefill::BindOperands()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<float>("k_scale")
                                   .Attr<float>("v_scale")
@@ -149,5 +164,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillLseCuda, modelopt_jax::cuda::p
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ModeloptPagedPrefillCudaPoisoned, modelopt_jax::cuda::prefill::PagedPrefillCudaPoisoned,
                               modelopt_jax::cuda::prefill::BindResultsAndAttrs(
-                                  modelopt_jax::cuda::prefill::BindOperands().Arg<xla::ffi::Buffer<xla::ffi::F32>>()),
+                                  modelopt_jax::cuda::prefill::BindOperands().Arg<xla::ffi::AnyBuffer>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -11,10 +11,10 @@
 // in registers; scores and P.V run as bf16 (or f16) m16n8k16 MMAs with float32 accumulation.
 //
 // Layout (the same pool as the decode kernel, modelopt_jax.kv_cache.PagedKVCache): keys/values
-// [slots, kv_heads, d], slot = block_table[r, p // page] * page + p % page. Queries: q float32
+// [slots, kv_heads, d], slot = block_table[r, p // page] * page + p % page. Queries: q (float32, bf16 or f16)
 // [T, heads, d] packed; row r's i-th query token is q[row_tokens[r, i]] (T marks padding) at
 // positions[row_tokens[r, i]], and it attends over that row's positions 0 .. its own. Output:
-// float32 [T, heads, d] in the packed order, each row's tokens written where row_tokens puts them
+// [T, heads, d] in the packed order, each row's tokens written where row_tokens puts them
 // (the handler zeroes the buffer first: a packed token in no row -- step padding -- reads zeros, as
 // on XLA's path; writing per row and scattering back cost the prompt steps a pass over the
 // output, about 2 ms of a 2048-token step of Llama-3-8B on the H200). FP8 pages hold e4m3 codes,
@@ -52,14 +52,36 @@ constexpr int kPad = 8;             // elements of padding per smem row: conflic
 constexpr float kFloor = -1e30f;    // running max's start: finite, so exp2(floor - floor) is 1, never NaN
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The element types q and the output may have (the handler maps XLA's to these). bf16 or f16 q and
+// output in the compute dtype save the prompt step a float32 copy of q and a float32 output (written,
+// zeroed first, read back and converted): about 2.7x the bytes of q and out in bf16.
+enum class Io : int { kF32, kBF16, kF16 };
+
+__device__ __forceinline__ float2 LoadPair(const void* base, size_t i, Io type) {  // elements i, i + 1 (i even)
+  if (type == Io::kF32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
+  if (type == Io::kBF16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(base) + i));
+  return __half22float2(*reinterpret_cast<const __half2*>(static_cast<const __half*>(base) + i));
+}
+
+__device__ __forceinline__ void StorePair(void* base, size_t i, Io type, float a, float b) {  // rounded to nearest
+  if (type == Io::kF32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(a, b);
+  } else if (type == Io::kBF16) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + i) = __floats2bfloat162_rn(a, b);
+  } else {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(base) + i) = __floats2half2_rn(a, b);
+  }
+}
+
 struct Params {
-  const float* q;             // [T, H, D]
+  const void* q;              // [T, H, D] of q_type
   const void* k;              // [slots, KV, D]
   const void* v;
   const int32_t* tables;      // [R, W]
   const int32_t* row_tokens;  // [R, Wq], T = padding
   const int32_t* positions;   // [T]
-  float* out;                 // [T, H, D]
+  void* out;                  // [T, H, D] of out_type
+  Io q_type, out_type;
   float* lse;                 // [T, H] natural log of each (token, head)'s softmax denominator (scores
                               // scaled), -inf where it saw no key; null: not wanted
   int tokens, kv_heads, table_width, row_width, page, page_shift;  // page_shift: log2(page), or -1
@@ -184,16 +206,17 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 3 : 2) PagedPrefillKern
   const int kv_len = sm_kv_len, min_pos = sm_min_pos;
   if (kv_len == 0) return;  // no real token in this CTA's rows (the kernel zeroed the output)
 
-  // The query of CTA row jj: q[token, kvh * G + (row0 + jj) % G, :] (null: no real token).
-  auto query = [&](int jj) -> const float* {
-    return sm_tok[jj] >= 0 ? p.q + ((size_t)sm_tok[jj] * H + kvh * G + (row0 + jj) % G) * D : nullptr;
+  // Where the query of CTA row jj starts in q: q[token, kvh * G + (row0 + jj) % G, :] (-1: no real token).
+  auto query = [&](int jj) -> int64_t {
+    return sm_tok[jj] >= 0 ? ((int64_t)sm_tok[jj] * H + kvh * G + (row0 + jj) % G) * D : -1;
   };
   if constexpr (MT > 1) {  // stage the CTA's queries in the MMA type (rows without a token: zeros)
     for (int c = threadIdx.x; c < kRows * (D / 4); c += kWarps * 32) {
       const int jj = c / (D / 4), part = c % (D / 4);
-      const float* q = query(jj);
-      const float4 x = q ? *reinterpret_cast<const float4*>(q + part * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<uint2*>(sm_q + jj * kStride + part * 8) = make_uint2(M::pack(x.x, x.y), M::pack(x.z, x.w));
+      const int64_t q0 = query(jj);
+      const float2 a = q0 >= 0 ? LoadPair(p.q, q0 + part * 4, p.q_type) : make_float2(0.f, 0.f);
+      const float2 b = q0 >= 0 ? LoadPair(p.q, q0 + part * 4 + 2, p.q_type) : make_float2(0.f, 0.f);
+      *reinterpret_cast<uint2*>(sm_q + jj * kStride + part * 8) = make_uint2(M::pack(a.x, a.y), M::pack(b.x, b.y));
     }
   }
 
@@ -213,15 +236,15 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 3 : 2) PagedPrefillKern
   // lane l giving row l % 8 + 8 ((l / 8) % 2) of its m-tile at column 8 (l / 16) of the k-step.
   uint32_t qa[MT == 1 ? D / 16 : 1][4];
   if constexpr (MT == 1) {
-    const float* q_lo = query(lo[0]);
-    const float* q_hi = query(lo[0] + 8);
+    const int64_t q_lo = query(lo[0]), q_hi = query(lo[0] + 8);
+    const float2 zero = make_float2(0.f, 0.f);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int c = kk * 16 + 2 * tq;
-      const float2 a0 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c) : make_float2(0.f, 0.f);
-      const float2 a1 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c) : make_float2(0.f, 0.f);
-      const float2 a2 = q_lo ? *reinterpret_cast<const float2*>(q_lo + c + 8) : make_float2(0.f, 0.f);
-      const float2 a3 = q_hi ? *reinterpret_cast<const float2*>(q_hi + c + 8) : make_float2(0.f, 0.f);
+      const float2 a0 = q_lo >= 0 ? LoadPair(p.q, q_lo + c, p.q_type) : zero;
+      const float2 a1 = q_hi >= 0 ? LoadPair(p.q, q_hi + c, p.q_type) : zero;
+      const float2 a2 = q_lo >= 0 ? LoadPair(p.q, q_lo + c + 8, p.q_type) : zero;
+      const float2 a3 = q_hi >= 0 ? LoadPair(p.q, q_hi + c + 8, p.q_type) : zero;
       qa[kk][0] = M::pack(a0.x, a0.y), qa[kk][1] = M::pack(a1.x, a1.y);
       qa[kk][2] = M::pack(a2.x, a2.y), qa[kk][3] = M::pack(a3.x, a3.y);
     }
@@ -370,12 +393,8 @@ __global__ void __launch_bounds__(kWarps * 32, MT == 1 ? 3 : 2) PagedPrefillKern
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const int c = n * 8 + 2 * tq;
-      if (tok_lo >= 0) {
-        *reinterpret_cast<float2*>(p.out + at_lo * D + c) = make_float2(o[i][n][0] * inv_lo, o[i][n][1] * inv_lo);
-      }
-      if (tok_hi >= 0) {
-        *reinterpret_cast<float2*>(p.out + at_hi * D + c) = make_float2(o[i][n][2] * inv_hi, o[i][n][3] * inv_hi);
-      }
+      if (tok_lo >= 0) StorePair(p.out, at_lo * D + c, p.out_type, o[i][n][0] * inv_lo, o[i][n][1] * inv_lo);
+      if (tok_hi >= 0) StorePair(p.out, at_hi * D + c, p.out_type, o[i][n][2] * inv_hi, o[i][n][3] * inv_hi);
     }
     if (p.lse != nullptr && tq == 0) {  // m is in base 2 (the scores carry log2(e)); l is the whole row's sum
       constexpr float kLn2 = 0.6931471805599453f;

@@ -433,22 +433,32 @@ def _kernel_write_paged_attention(q, k_new, v_new, k_pool, v_pool, slots, token_
     return out.reshape(t, h * d).astype(dtype), k_pool, v_pool
 
 
+def _kernel_io_dtype(dtype):
+    """What the prefill kernel's q (and plain output) travel as: the compute dtype where it is bf16 or f16."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.float32
+
+
 def _prefill_kernel_paged_attention(q, k_pool, v_pool, token_rows, positions, block_tables, *, k_scale, v_scale,
                                     page_size, dtype, row_tokens, out_init=None):
     """The prefill kernel: it writes each row's tokens in the packed order; a packed token in no
-    row (step padding) gets zeros, as on XLA's per-row path."""
+    row (step padding) gets zeros, as on XLA's per-row path. q goes in, and the output comes out,
+    in the compute dtype where that is bf16 or f16 (the kernel converts on load and rounds on store,
+    as a float32 round trip would): a prompt step's float32 copies of q and of the output cost more
+    memory traffic than the attention's own reads of a short prefix. ``out_init``'s dtype is the
+    output's."""
     from modelopt_jax.ops import native
 
     del token_rows  # the kernel finds each row's tokens through row_tokens
     native.cuda_library()  # registers the kernel's FFI target
     t, h, d = q.shape
-    operands = [q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
+    io_dtype = _kernel_io_dtype(dtype)
+    operands = [q.astype(io_dtype), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
                 positions.astype(jnp.int32)]
-    target, aliases = native.PAGED_PREFILL_TARGET, {}
+    target, aliases, out_dtype = native.PAGED_PREFILL_TARGET, {}, io_dtype
     if out_init is not None:
-        target, aliases = native.PAGED_PREFILL_POISONED_TARGET, {len(operands): 0}
+        target, aliases, out_dtype = native.PAGED_PREFILL_POISONED_TARGET, {len(operands): 0}, out_init.dtype
         operands.append(out_init)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, h, d), jnp.float32),
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, h, d), out_dtype),
                             vmap_method="broadcast_all", input_output_aliases=aliases)
     out = call(*operands, k_scale=np.float32(1.0 if k_scale is None else k_scale),
                v_scale=np.float32(1.0 if v_scale is None else v_scale),
@@ -462,14 +472,14 @@ def _prefill_kernel_lse(q, k_pool, v_pool, block_tables, row_tokens, positions, 
     attention: each row's tokens are decode rows whose queries share the row's prefix pages)."""
     from modelopt_jax.ops import native
 
-    del dtype  # the kernel computes in float32 from bf16/f16 MMAs; the caller casts after the merge
-    native.cuda_library()
+    native.cuda_library()  # out stays float32: the caller merges it with the decode kernel's, then casts
     t, h, d = q.shape
     call = jax.ffi.ffi_call(native.PAGED_PREFILL_LSE_TARGET, (jax.ShapeDtypeStruct((t, h, d), jnp.float32),
                                                               jax.ShapeDtypeStruct((t, h), jnp.float32)),
                             vmap_method="broadcast_all")
-    return call(q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32), row_tokens.astype(jnp.int32),
-                positions.astype(jnp.int32), k_scale=np.float32(1.0 if k_scale is None else k_scale),
+    return call(q.astype(_kernel_io_dtype(dtype)), k_pool, v_pool, block_tables.astype(jnp.int32),
+                row_tokens.astype(jnp.int32), positions.astype(jnp.int32),
+                k_scale=np.float32(1.0 if k_scale is None else k_scale),
                 v_scale=np.float32(1.0 if v_scale is None else v_scale), softmax_scale=np.float32(d ** -0.5),
                 page_size=np.int32(page_size))
 
