@@ -106,6 +106,8 @@ PREFILL_STEPS = [  # (name, [(cached prefix, new tokens) per row]): 2048-token p
     ("3 x 683 (b)", [(0, 683)] * 3),
     ("16 x 128", [(0, 128)] * 16),
     ("1 x 2048 after 2048", [(2048, 2048)]),
+    ("8 x 1024 (a), 8192", [(0, 1024)] * 8),    # the default 8192-token budget
+    ("1 x 600 after 1500", [(1500, 600)]),      # a server's mixed step: one tail after a cached system prompt
 ]
 
 
@@ -139,7 +141,8 @@ def make_prefill(rows, dtype, seed):
 
 
 def prefill_steps() -> list[dict]:
-    """The prefill kernel's GPU time (CUPTI) and XLA's wall time per call on the engine's prompt steps."""
+    """The prefill kernel's GPU time (CUPTI), the op's (every kernel of its program: q's conversion,
+    the output's zeroing and conversion too), and XLA's wall time per call on the engine's prompt steps."""
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; prompt steps of one layer: {HEADS} heads, {KV} kv "
           f"heads, d {D}, page {PAGE}; us per call (TFLOP/s of causal attention)")
     rows = []
@@ -157,6 +160,8 @@ def prefill_steps() -> list[dict]:
             try:
                 s = kernel_only_seconds(run("prefill_kernel"), [q] * len(pools), pools, kernels=("PagedPrefill",))
                 line["kernel_gpu_us"], line["kernel_tflops"] = s * 1e6, flops / s / 1e12
+                every = kernel_only_seconds(run("prefill_kernel"), [q] * len(pools), pools, kernels=("",))
+                line["op_gpu_us"] = every * 1e6
             except Exception as e:  # reported, not fatal
                 line["kernel_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             try:
