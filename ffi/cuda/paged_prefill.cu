@@ -78,16 +78,8 @@ ffi::Error PagedPrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   p.page_shift = pool.page_shift;
   p.score_scale = pool.ScoreScale(softmax_scale, k_scale) * kLog2e;
   p.v_scale = pool.ValueScale(v_scale);
-  // Prompt chunks: two m-tiles of query rows per warp (128 rows a CTA). Cascade attention's lines of
-  // decode rows (at most 16 rows x the group: 64 query rows): one m-tile.
   return paged::Dispatch(kOp, pool, [&](auto pool_type, auto head_dim, auto group) {
-    using T = typename decltype(pool_type)::type;
-    constexpr int D = decltype(head_dim)::value, G = decltype(group)::value;
-    if (lse == nullptr) {
-      Launch<T, D, G, 2>(p, rows, stream);
-    } else {
-      Launch<T, D, G, 1>(p, rows, stream);
-    }
+    Launch<typename decltype(pool_type)::type, decltype(head_dim)::value, decltype(group)::value>(p, rows, stream);
   });
 }
 
