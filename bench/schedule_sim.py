@@ -115,6 +115,9 @@ def simulate(args, scheduler, attention, requests, run):
     real = padded = 0
     prompt_tokens = collections.Counter()  # tokens of programs with prompt chunks: "run" (padded), "fed" (real)
     cascade = collections.Counter()  # decode rows, rows reading a shared prefix, prefix tokens read (whole / cascade)
+    # mixed steps: their count, tokens as the programs run them, and as one program per token bucket would
+    # (decode and prompt tokens together in token_bucket(D + P): the next design's cost, see RESULTS 2026-12-07)
+    mixed = collections.Counter()
     seconds = {"prompt": 0.0, "decode": 0.0}
     while not scheduler.done:
         batch = scheduler.schedule()
@@ -127,6 +130,14 @@ def simulate(args, scheduler, attention, requests, run):
                 prompt_tokens["run"] += key.prompt_tokens
                 prompt_tokens["fed"] += sum(n for _, n in part if n > 1)
         decode = [r for r, n in batch if n == 1]
+        fed_prompt = sum(n for _, n in batch if n > 1)
+        if decode and fed_prompt:
+            mixed["steps"] += 1
+            mixed["run"] += sum(step_shape(part, attention, table_width, max_prompt_seqs=args.cap,
+                                           fine_prompt_buckets=args.fine).tokens
+                                for part in program_parts(batch, args.split, fine_prompt_buckets=args.fine))
+            mixed["one_program"] += token_bucket(len(decode) + fed_prompt, fine=args.fine)
+            mixed["real"] += len(decode) + fed_prompt
         if decode and attention.cascade_group:
             nd = bucket(len(decode), MIN_DECODE_ROWS)
             plan = shared_prefixes(decode, attention.cascade_group, args.page_size, table_width,
@@ -157,6 +168,11 @@ def simulate(args, scheduler, attention, requests, run):
         print(f"cascade attention (group {attention.cascade_group}): {cascade['sharing'] / cascade['rows']:.1%} of "
               f"decode rows read a shared prefix; decode steps read {cascade['tokens_read'] / cascade['tokens_plain']:.1%} "
               f"of the KV tokens they would without it")
+    if mixed["steps"]:
+        print(f"mixed steps {mixed['steps']}: {mixed['real']:,} real tokens, run as {mixed['run']:,} by their programs "
+              f"(+{mixed['run'] / mixed['real'] - 1:.1%}); one program per token_bucket(decode + prompt tokens) "
+              f"would run {mixed['one_program']:,} (+{mixed['one_program'] / mixed['real'] - 1:.1%}) in "
+              f"{mixed['steps']} programs")
     generated = sum(r.budget for r in requests)
     total = seconds["prompt"] + seconds["decode"]
     print(f"estimated H200 time: prompt steps {seconds['prompt']:.1f} s, decode steps {seconds['decode']:.1f} s; "
