@@ -70,14 +70,20 @@ def ours(q, pool, tables, positions, backend, fp8, variant="mma", splits=None):
                            decode_splits=splits)
 
 
-def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> float:
-    """GPU time per call of our kernels alone (by default the decode kernel and its split merge;
-    CUPTI), so the bandwidth is the kernel's and not the dispatch's."""
+def kernel_seconds(fn, xs, ws, groups: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """GPU time per call (CUPTI, one traced run) of each group's kernels: those whose names contain
+    one of the group's strings ("" matches every kernel of the program)."""
     program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
     jax.block_until_ready(program(xs, ws))
     times = kernel_times(lambda: jax.block_until_ready(program(xs, ws)))
-    ns = sum(total for name, (_, total) in times.items() if any(k in name for k in kernels))
-    return ns / 1e9 / len(ws)
+    return {group: sum(total for name, (_, total) in times.items() if any(k in name for k in kernels)) / 1e9 / len(ws)
+            for group, kernels in groups.items()}
+
+
+def kernel_only_seconds(fn, xs, ws, kernels=("PagedDecode", "MergeSplits")) -> float:
+    """GPU time per call of our kernels alone (by default the decode kernel and its split merge;
+    CUPTI), so the bandwidth is the kernel's and not the dispatch's."""
+    return kernel_seconds(fn, xs, ws, {"kernels": kernels})["kernels"]
 
 
 def sweep_splits(splits: list[int], shapes=SHAPES) -> list[dict]:
@@ -158,10 +164,10 @@ def prefill_steps() -> list[dict]:
                                                     dtype=jnp.bfloat16, row_tokens=row_tokens, backend=backend)
             line = {"step": name, "pages": pages, "pairs": pairs}
             try:
-                s = kernel_only_seconds(run("prefill_kernel"), [q] * len(pools), pools, kernels=("PagedPrefill",))
-                line["kernel_gpu_us"], line["kernel_tflops"] = s * 1e6, flops / s / 1e12
-                every = kernel_only_seconds(run("prefill_kernel"), [q] * len(pools), pools, kernels=("",))
-                line["op_gpu_us"] = every * 1e6
+                s = kernel_seconds(run("prefill_kernel"), [q] * len(pools), pools,
+                                   {"kernel": ("PagedPrefill",), "op": ("",)})
+                line["kernel_gpu_us"], line["kernel_tflops"] = s["kernel"] * 1e6, flops / s["kernel"] / 1e12
+                line["op_gpu_us"] = s["op"] * 1e6
             except Exception as e:  # reported, not fatal
                 line["kernel_error"] = f"{type(e).__name__}: {str(e)[:160]}"
             try:

@@ -122,20 +122,20 @@ def simulate(args, scheduler, attention, requests, run):
     while not scheduler.done:
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
+        step_tokens = 0  # as the step's programs run them (padded)
         for part in program_parts(batch, args.split, fine_prompt_buckets=args.fine):
             key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap, fine_prompt_buckets=args.fine)
             shapes[key] += 1
-            padded += key.tokens
+            step_tokens += key.tokens
             if key.prompt_tokens:  # a program with prompt chunks: its prompt tokens as run (padded), and as fed
                 prompt_tokens["run"] += key.prompt_tokens
                 prompt_tokens["fed"] += sum(n for _, n in part if n > 1)
+        padded += step_tokens
         decode = [r for r, n in batch if n == 1]
         fed_prompt = sum(n for _, n in batch if n > 1)
         if decode and fed_prompt:
             mixed["steps"] += 1
-            mixed["run"] += sum(step_shape(part, attention, table_width, max_prompt_seqs=args.cap,
-                                           fine_prompt_buckets=args.fine).tokens
-                                for part in program_parts(batch, args.split, fine_prompt_buckets=args.fine))
+            mixed["run"] += step_tokens
             mixed["one_program"] += token_bucket(len(decode) + fed_prompt, fine=args.fine)
             mixed["real"] += len(decode) + fed_prompt
         if decode and attention.cascade_group:
