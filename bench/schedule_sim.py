@@ -76,8 +76,10 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--reserve-tokens", type=int, default=1024)
-    ap.add_argument("--one-program", action="store_true", help="mixed steps as one program (EngineConfig."
-                                                                "split_steps=False), not a decode and a prompt one")
+    ap.add_argument("--layout", default="packed", choices=["packed", "split", "one"],
+                    help="mixed steps as one packed program per token bucket (EngineConfig.packed_steps, the "
+                         "default), as a decode and a prompt program (packed_steps=False), or as one program per "
+                         "decode bucket x prompt bucket (also split_steps=False)")
     ap.add_argument("--pow2-prompt-buckets", action="store_true",
                     help="prompt tokens pad to powers of two only (EngineConfig.fine_prompt_buckets=False)")
     ap.add_argument("--cascade-group", type=int, default=16,
@@ -87,11 +89,13 @@ def main():
     if args.max_num_seqs is None:
         args.max_num_seqs = default_max_num_seqs(args.pages, args.page_size)
     pool = PagePool(args.pages, args.page_size)
-    args.split = not args.one_program
+    args.split = args.layout == "split"
+    args.packed_rows = bucket(args.max_num_seqs, MIN_DECODE_ROWS) if args.layout == "packed" else None
     args.fine = fine = not args.pow2_prompt_buckets
     args.cap = cap = min(MAX_PROMPT_SEQS, args.max_num_seqs)
     scheduler = Scheduler(pool, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          reserve_tokens=args.reserve_tokens, split_steps=args.split, fine_prompt_buckets=fine,
+                          reserve_tokens=args.reserve_tokens, split_steps=args.split,
+                          packed_steps=args.layout == "packed", fine_prompt_buckets=fine,
                           prompt_seqs_limit=lambda tokens: kernel_prompt_section(token_bucket(tokens, fine=fine),
                                                                                  cap)[2])
     attention = AttentionConfig(args.page_size, decode="fused_kernel", prefill="kernel",  # the H200's paths
@@ -123,13 +127,14 @@ def simulate(args, scheduler, attention, requests, run):
         batch = scheduler.schedule()
         seconds["decode" if all(n == 1 for _, n in batch) else "prompt"] += step_seconds(batch)
         step_tokens = 0  # as the step's programs run them (padded)
-        for part in program_parts(batch, args.split, fine_prompt_buckets=args.fine):
-            key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap, fine_prompt_buckets=args.fine)
+        for part in program_parts(batch, args.split):
+            key = step_shape(part, attention, table_width, max_prompt_seqs=args.cap, fine_prompt_buckets=args.fine,
+                             packed_decode_rows=args.packed_rows)
             shapes[key] += 1
             step_tokens += key.tokens
             if key.prompt_tokens:  # a program with prompt chunks: its prompt tokens as run (padded), and as fed
-                prompt_tokens["run"] += key.prompt_tokens
-                prompt_tokens["fed"] += sum(n for _, n in part if n > 1)
+                prompt_tokens["run"] += key.prompt_tokens  # (packed: the whole step's, decodes included)
+                prompt_tokens["fed"] += sum(n for _, n in part if key.packed or n > 1)
         padded += step_tokens
         decode = [r for r, n in batch if n == 1]
         fed_prompt = sum(n for _, n in batch if n > 1)

@@ -81,11 +81,12 @@ def _compare_until_they_part(runs_a, runs_b, params, bound: float = 0.25) -> int
     return compared
 
 
-def _mixed_run(checkpoint, split_steps, precompile, **overrides):
+def _mixed_run(checkpoint, split_steps, precompile, packed_steps=False, **overrides):
     llm = LLM(checkpoint, max_model_len=1024, kv_cache_bytes=64 << 20, max_num_seqs=16, compilation_cache_dir=None,
               precompile=False)
     old, llm.engine = llm.engine, None
-    config = dataclasses.replace(old.config, split_steps=split_steps, max_num_batched_tokens=512,
+    config = dataclasses.replace(old.config, split_steps=split_steps, packed_steps=packed_steps,
+                                 max_num_batched_tokens=512,
                                  precompile_samplers=("greedy",) if precompile else (), **overrides)
     del old
     llm.engine = Engine(llm.model, max_model_len=1024, pad_id=llm.model.config.pad_token_id or 0, config=config)
@@ -116,20 +117,22 @@ def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(check
     assert compared >= len(one)
 
 
-def test_one_program_mixed_steps_with_the_kernels_generate_what_split_steps_do(checkpoint):
-    """On CUDA, mixed steps whose prompt chunks pad to >= 256 tokens as one program (decode rows padded
-    to the largest bucket, the decode and prefill kernels in one forward), from the start-up table:
-    the tokens are the split steps' up to near-ties (the GEMMs see other M)."""
-    one, stats, engine = _mixed_run(checkpoint, True, True, one_program_mixed_tokens=256)
+def test_packed_mixed_steps_with_the_kernels_generate_what_split_steps_do(checkpoint):
+    """On CUDA, the packed layout (the default): a step with prompt chunks runs as one program of
+    token_bucket(decodes + prompt tokens) tokens, the decode kernel over its decode section (unused
+    rows given no keys) and the prefill kernel over the whole step, from the start-up table; the
+    tokens are the split steps' up to near-ties (the GEMMs see other M)."""
+    packed, stats, engine = _mixed_run(checkpoint, True, True, packed_steps=True)
     split, _, _ = _mixed_run(checkpoint, True, True)
     table = engine.runner.program_table(512)
+    assert engine.precompiled == len(table)
     assert {p.shape for p in engine.runner.shapes} <= {p.shape for p in table}
-    fused = [p.shape for p in engine.runner.shapes if p.shape.decode_rows and p.shape.prompt_tokens]
-    assert fused and all(s.decode_rows == engine.runner.max_decode_rows and s.prompt_tokens >= 256 for s in fused)
-    compared = _compare_until_they_part([g.outputs for g in one], [w.outputs for w in split],
-                                        [SamplingParams()] * len(one))
-    print(f"one-program mixed shapes {sorted(s.prompt_tokens for s in fused)}, tokens compared {compared}")
-    assert compared >= len(one)
+    ran = [p.shape for p in engine.runner.shapes if p.shape.prompt_tokens]
+    assert stats["mixed_steps"] > 0 and ran and all(s.packed for s in ran)
+    compared = _compare_until_they_part([g.outputs for g in packed], [w.outputs for w in split],
+                                        [SamplingParams()] * len(packed))
+    print(f"packed shapes {sorted(s.tokens for s in ran)}, tokens compared {compared}")
+    assert compared >= len(packed)
 
 
 def test_cascade_attention_generates_what_plain_decode_steps_do(checkpoint):

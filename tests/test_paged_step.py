@@ -172,6 +172,58 @@ def test_cutting_prompt_chunks_into_rows_changes_no_output(tile):
     np.testing.assert_array_equal(np.asarray(k_pool_cut)[PAGE:], np.asarray(k_pool)[PAGE:])
 
 
+def _packed(step, decodes, capacity):
+    """``step`` (the split layout, its first ``decodes`` rows real decodes) in the packed layout: the
+    real decode tokens, then the prompt section's tokens right after them, the decode section a
+    capacity of ``capacity`` rows. Returns (packed step, index of each packed token in ``step``)."""
+    d, t = step.num_decode, step.num_tokens
+    idx = np.r_[0:decodes, d:t]
+    tables = np.asarray(step.block_tables)
+    lines = np.asarray(step.prompt_tokens)
+    i32 = lambda a: jnp.asarray(np.asarray(a), jnp.int32)  # noqa: E731
+    taken = {name: i32(np.asarray(getattr(step, name))[idx]) for name in ("input_ids", "positions", "slots",
+                                                                          "real_tokens")}
+    logits = np.asarray(step.logit_index)
+    logit_index = np.r_[np.arange(decodes), np.zeros(capacity - decodes, np.int64), logits[d:] - d + decodes]
+    packed = PagedStep(**taken, block_tables=i32(np.concatenate([tables[:decodes], np.zeros((capacity - decodes,
+                                                                 tables.shape[1]), np.int64), tables[d:]])),
+                       prompt_tokens=i32(np.where(lines < t - d, lines + decodes, len(idx))),
+                       logit_index=i32(logit_index), num_decode=capacity, attention=step.attention,
+                       decode_count=i32(decodes))
+    packed.check()
+    return packed, idx
+
+
+@pytest.mark.parametrize("capacity", [5, 8, 20])
+def test_a_packed_step_equals_the_split_layout_and_float64(capacity):
+    """The packed layout (decode tokens, then the prompt tokens right after them; the decode section
+    a capacity of rows, some unused): every real token's output equals the split layout's and the
+    float64 reference, the unused decode rows add nothing to the prompt tokens sitting at their
+    indices, and the pools hold the same keys/values."""
+    case = _mixed_step(3)
+    step = case[0]
+    packed, idx = _packed(step, 5, capacity)
+    assert packed.num_tokens == step.num_tokens - 3  # the split layout's 3 padding decode rows are gone
+    q, k_new, v_new = (a[idx] for a in case[1:4])
+    _, (out, k_pool, _) = _run(*case)
+    fn, (out_packed, k_pool_packed, _) = _run(packed, q, k_new, v_new, *case[4:])
+    want = _reference(*case)[idx]
+    real = ~np.isnan(want[:, 0])
+    assert real.sum() == 5 + 42
+    np.testing.assert_allclose(np.asarray(out_packed)[real], want[real], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out_packed)[real], np.asarray(out)[idx][real], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.asarray(k_pool_packed)[PAGE:], np.asarray(k_pool)[PAGE:])
+    # the decode count is an operand, not a shape: the same compiled program with 2 of the 5 decode rows
+    # in use gives rows 2..4 nothing (no prompt row holds their tokens either) and the others the same
+    fewer = dataclasses.replace(packed, decode_count=jnp.asarray(2, jnp.int32))
+    with jax.default_matmul_precision("highest"):  # (as _run calls it: the precision is part of jit's key)
+        out_fewer = np.asarray(fn(fewer, q, k_new, v_new, *case[4:])[0])
+    assert fn._cache_size() == 1
+    np.testing.assert_array_equal(out_fewer[2:5], 0)
+    keep = np.r_[0:2, 5:len(idx)]
+    np.testing.assert_array_equal(out_fewer[keep], np.asarray(out_packed)[keep])
+
+
 def test_the_sections_of_a_mixed_step_equal_each_section_alone():
     """A decode row's output does not depend on prompt rows riding along, nor a prompt row's on
     decodes: the decode-only and prompt-only steps give the same rows, bit for bit on XLA."""
@@ -288,21 +340,34 @@ def test_step_shape_abstract_is_what_the_runner_builds():
     abstract = shape.abstract(XLA)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), step)
     assert (shape.tokens, shape.rows) == (step.num_tokens, step.num_rows)
+    packed, _ = _packed(step, 5, 8)
+    shape = dataclasses.replace(shape, decode_rows=8, prompt_tokens=packed.num_tokens, packed=True)
+    abstract = shape.abstract(XLA)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), packed)
+    assert (shape.tokens, shape.rows, shape.sampled_rows) == (packed.num_tokens, packed.num_rows,
+                                                               packed.logit_index.shape[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not native.has_cuda_handler(),
                     reason="CUDA paged attention kernels not built")
 @pytest.mark.parametrize("pool_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_cuda_mixed_step_runs_both_kernels_and_matches_float64(pool_dtype):
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_mixed_step_runs_both_kernels_and_matches_float64(pool_dtype, packed):
     """On CUDA a mixed step is one program holding the decode kernel (decode rows) and the prefill
-    kernel (prompt rows); each real token is within bf16 tolerance of float64."""
+    kernel (prompt rows); each real token is within bf16 tolerance of float64. Packed: the decode
+    kernel also runs over rows with no keys (the unused capacity, prompt tokens at their indices),
+    whose outputs must add nothing."""
     config = AttentionConfig(page_size=PAGE, decode="kernel", prefill="kernel")
     case = _mixed_step(5, pool_dtype=pool_dtype, dtype="bfloat16", config=config)
+    want = _reference(*case)
+    if packed:
+        step, idx = _packed(case[0], 5, 16)
+        case = (step, *(a[idx] for a in case[1:4]), *case[4:])
+        want = want[idx]
     fn, (out, _, _) = _run(*case)
     hlo = fn.lower(*case).compile().as_text()
     assert "modelopt_paged_decode" in hlo and "modelopt_paged_prefill" in hlo
-    want = _reference(*case)
     real = ~np.isnan(want[:, 0])
     got = np.asarray(out, np.float64)[real]
     assert np.isfinite(got).all()

@@ -1,5 +1,6 @@
-"""Which programs the engine's steps run: mixed steps split into a decode and a prompt program, the
-kernels' prompt rows cut into tiles, and the finite program table compiled at start-up.
+"""Which programs the engine's steps run: mixed steps packed into one program keyed by their token
+count (the default) or split into a decode and a prompt program, the kernels' prompt rows cut into
+tiles, and the finite program table compiled at start-up.
 
 Correctness is stated against the engine's other layout (one program per mixed step, one prompt
 row per sequence) on the unquantized float32 checkpoint: the same tokens, log-probs to float32
@@ -70,8 +71,8 @@ def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
     original = llm.engine
     try:
         prompts, params = _workload()
-        one, one_stats = _run(llm, _engine(llm, split_steps=False), prompts, params)
-        engine = _engine(llm)
+        one, one_stats = _run(llm, _engine(llm, split_steps=False, packed_steps=False), prompts, params)
+        engine = _engine(llm, packed_steps=False)
         two, two_stats = _run(llm, engine, prompts, params)
     finally:
         llm.engine = original
@@ -82,19 +83,42 @@ def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
     assert two_stats["free_pages_after"] == two_stats["num_pages"] - 1  # (cached pages nobody holds count as free)
 
 
+def test_packed_steps_give_what_one_program_gives_with_prompt_tokens_right_after_the_decodes(llm):
+    """The default packed layout runs a step holding decode rows and prompt chunks as one program of
+    token_bucket(decodes + prompt tokens) tokens: every request's tokens and log-probs equal the
+    one-program split-free step's, every program with prompt tokens is packed, and the scheduler
+    fills a busy step's bucket with decodes and prompt tokens together."""
+    original = llm.engine
+    try:
+        prompts, params = _workload()
+        one, _ = _run(llm, _engine(llm, split_steps=False, packed_steps=False), prompts, params)
+        engine = _engine(llm)
+        assert engine.config.packed_steps
+        packed, stats = _run(llm, engine, prompts, params)
+    finally:
+        llm.engine = original
+    _assert_same(packed, one)
+    assert stats["mixed_steps"] > 0
+    shapes = [p.shape for p in engine.runner.shapes]
+    assert all(s.packed and s.tokens == token_bucket(s.tokens) for s in shapes if s.prompt_tokens)
+    assert any(s.packed and s.decode_rows for s in shapes)  # a program that held decodes and prompt tokens
+    assert stats["free_pages_after"] == stats["num_pages"] - 1
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU these attention paths are the CUDA kernels, "
                     "which round float32 to bf16 (tests/test_engine_gpu.py runs them)")
-def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm):
+@pytest.mark.parametrize("packed", [True, False])
+def test_kernel_layout_cuts_prompts_into_tiles_and_runs_only_table_programs(llm, packed):
     """Where the kernels run (here: their XLA fallbacks), prompt chunks are cut into rows of
     PROMPT_TILE tokens, so a prompt program's shape depends on its token bucket alone: the engine
-    compiles the table (decode-row buckets + prompt-token buckets) at start-up, a greedy run then
-    compiles nothing, and its outputs equal the XLA layout's."""
+    compiles the table (decode-row buckets + prompt-token buckets, packed or not) at start-up, a
+    greedy run then compiles nothing, and its outputs equal the XLA layout's."""
     original = llm.engine
     try:
         prompts, params = _workload(1)
         greedy = [dataclasses.replace(p, logprobs=None) for p in params]
         want, _ = _run(llm, _engine(llm), prompts, greedy)
-        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",))
+        engine = _engine(llm, KERNELS, precompile_samplers=("greedy",), packed_steps=packed)
         assert engine.runner.has_program_table
         table = engine.runner.program_table(128)
         assert len(table) == len(decode_buckets(8)) + len(token_buckets(128)) == 1 + 4
@@ -151,38 +175,34 @@ def test_fine_prompt_buckets_pad_a_step_less_and_run_from_the_table(llm, fine):
 
 
 @pytest.mark.parametrize("cascade_group", [0, 4])
-def test_large_mixed_steps_run_as_one_program_from_the_table(llm, cascade_group):
-    """With ``one_program_mixed_tokens``, a mixed step whose prompt chunks pad to at least that many
-    tokens runs as one program (the weights read once), its decode rows padded to the largest decode
-    bucket so that such programs are one per prompt bucket and sit in the start-up table; smaller
-    mixed steps still split. Tokens and log-probs equal the XLA layout's, nothing compiles in line.
-    With cascade attention and no shared prefix, a mixed step keeps the cascade program the table
-    holds (only decode-only steps switch to the plain one: the GPU run of 2026-12-07 met a mixed
-    step that switched, and compiled it in line)."""
+def test_packed_mixed_steps_run_from_the_table_one_program_per_token_bucket(llm, cascade_group):
+    """Where the kernels run, a packed program's decode section has room for every decode row a step
+    of its tokens can hold (min(T, the largest decode bucket)), so the table holds one packed program
+    per token bucket, beside the decode buckets; mixed and prompt-only steps run from it and nothing
+    compiles in line. Tokens and log-probs equal the XLA layout's. With cascade attention the packed
+    programs keep the cascade part (only decode-only steps switch to a plain twin: the GPU run of
+    2026-12-07 met a mixed step that switched, and compiled it in line)."""
     original = llm.engine
     try:
         prompts, params = _workload(3)
         greedy = [dataclasses.replace(p, logprobs=None) for p in params]
         want, _ = _run(llm, _engine(llm), prompts, greedy)
         attention = dataclasses.replace(KERNELS, cascade_group=cascade_group)
-        engine = _engine(llm, attention, precompile_samplers=("greedy",), max_num_seqs=16, one_program_mixed_tokens=64)
+        engine = _engine(llm, attention, precompile_samplers=("greedy",), max_num_seqs=16)
         runner = engine.runner
         assert runner.max_decode_rows == 16
         table = runner.program_table(128)
-        mixed = sorted(p.shape.prompt_tokens for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
-        assert mixed == [64, 128]
-        assert all(p.shape.decode_rows == 16 for p in table if p.shape.decode_rows and p.shape.prompt_tokens)
+        packed = sorted((p.shape.tokens, p.shape.decode_rows) for p in table if p.shape.packed)
+        assert packed == [(16, 16), (32, 16), (64, 16), (128, 16)]
+        assert all(p.shape.cascade == bool(cascade_group) for p in table if p.shape.packed)
         decode_programs = len(decode_buckets(16)) * (2 if cascade_group else 1)  # plain twins of small buckets
-        assert len(table) == decode_programs + len(token_buckets(128)) + 2
+        assert len(table) == decode_programs + len(token_buckets(128))
         got, stats = _run(llm, engine, prompts, greedy)
     finally:
         llm.engine = original
     _assert_same(got, want)
     assert stats["inline_compiles"] == 0 and runner.shapes <= set(table)
-    ran_mixed = [p.shape for p in runner.shapes if p.shape.decode_rows and p.shape.prompt_tokens]
-    assert ran_mixed, "no mixed step ran as one program"
-    # (the workload's mixed steps hold fewer than 16 decode rows: the one-program steps padded them)
-    assert stats["max_running"] < 16 and all(s.decode_rows == 16 for s in ran_mixed)
+    assert stats["mixed_steps"] > 0 and all(p.shape.packed for p in runner.shapes if p.shape.prompt_tokens)
     assert stats["free_pages_after"] == stats["num_pages"] - 1
 
 
@@ -211,8 +231,8 @@ def test_the_program_table_is_refused_where_programs_have_no_table(llm):
 
 @pytest.mark.parametrize("field,value,match", [
     ("split_steps", 1, "split_steps=1 must be a bool"),
-    ("one_program_mixed_tokens", 0, "one_program_mixed_tokens=0 must be a positive integer or None"),
-    ("one_program_mixed_tokens", 2.0, "one_program_mixed_tokens=2.0 must be a positive integer or None"),
+    ("packed_steps", 1, "packed_steps=1 must be a bool"),
+    ("packed_steps", None, "packed_steps=None must be a bool"),
     ("precompile_samplers", ["greedy"], "precompile_samplers=\\['greedy'\\] must be a tuple of"),
     ("precompile_samplers", ("beam",), "must be a tuple of 'greedy', 'tempered', 'truncated'"),
 ])
@@ -237,16 +257,16 @@ def test_decode_steps_without_a_shared_prefix_run_the_program_without_cascade_at
     try:
         engine = _engine(llm, cascade, precompile_samplers=("greedy",))
         table = engine.runner.program_table(128)
-        decode = [p.shape for p in table if p.shape.decode_rows]
+        decode = [p.shape for p in table if p.shape.decode_rows and not p.shape.prompt_tokens]
         assert sorted((s.decode_rows, s.cascade) for s in decode) == [(8, False), (8, True)]
         assert PLAIN_DECODE_ROWS >= 8
         _, stats = _run(llm, engine, alone, [greedy])
-        assert {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows} == {False}
+        assert {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows and not p.shape.prompt_tokens} == {False}
         assert stats["shared_prefix_rows"] == 0 and stats["inline_compiles"] == 0
         engine.runner.shapes.clear()
         got, stats = _run(llm, engine, [shared], [dataclasses.replace(greedy, n=3)])
         # (the first sample decodes alone for a step while the others take the prompt's pages: plain)
-        assert True in {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows}
+        assert True in {p.shape.cascade for p in engine.runner.shapes if p.shape.decode_rows and not p.shape.prompt_tokens}
         assert stats["shared_prefix_rows"] > 0 and stats["inline_compiles"] == 0
         want, _ = _run(llm, _engine(llm, KERNELS), [shared], [dataclasses.replace(greedy, n=3)])
     finally:

@@ -59,11 +59,11 @@ class EngineConfig:
     precompile_samplers: tuple[str, ...] = ("greedy", "tempered")  # where the step programs form a table (the
                                               # CUDA kernels' paths), compile it at start-up for these samplers
                                               # (sampling.SAMPLERS); (): compile each program on first use
-    one_program_mixed_tokens: int | None = None  # with split_steps: a mixed step whose prompt chunks pad to at
-                                              # least this many tokens runs as one program after all, its decode
-                                              # rows padded to max_num_seqs' bucket (the table gains a program per
-                                              # such prompt bucket); the weights are then read once, not twice.
-                                              # None: every mixed step runs as two programs
+    packed_steps: bool = True                 # a step with prompt chunks runs as one program, its decodes and
+                                              # prompt tokens packed side by side and padded as one to a token
+                                              # bucket (ops.paged_step's packed layout): the weights read once per
+                                              # mixed step, one program per token bucket (split_steps then applies
+                                              # to nothing)
     fine_prompt_buckets: bool = True          # a step's prompt tokens pad to powers of two and also to 384, 768
                                               # and 1536 (buckets.FINE_PROMPT_SIZES): less padded prompt work for
                                               # one arriving prompt, three more programs per sampler to compile
@@ -94,9 +94,8 @@ class EngineConfig:
             raise ConfigError(f"fine_prompt_buckets={self.fine_prompt_buckets!r} must be a bool")
         if not isinstance(self.split_steps, bool):
             raise ConfigError(f"split_steps={self.split_steps!r} must be a bool")
-        value = self.one_program_mixed_tokens
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"one_program_mixed_tokens={value!r} must be a positive integer or None")
+        if not isinstance(self.packed_steps, bool):
+            raise ConfigError(f"packed_steps={self.packed_steps!r} must be a bool")
         if not isinstance(self.precompile_samplers, tuple) or any(s not in SAMPLERS for s in self.precompile_samplers):
             raise ConfigError(f"precompile_samplers={self.precompile_samplers!r} must be a tuple of "
                               f"{', '.join(map(repr, SAMPLERS))}")
@@ -198,7 +197,7 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size, prefix_caching=config.enable_prefix_caching)
         self.runner = Runner(model, num_pages, attention, pad_id, fixed_table_width=pages_per_seq,
                              max_rows=config.max_num_seqs, split_steps=config.split_steps,
-                             one_program_mixed_tokens=config.one_program_mixed_tokens,
+                             packed_steps=config.packed_steps,
                              decode_steps=config.decode_steps, fine_prompt_buckets=config.fine_prompt_buckets)
         self.overlap = True  # launch step N+1 before collecting step N (see step)
         # True (the server): a step whose program is not compiled yet runs its decodes alone while
@@ -219,7 +218,7 @@ class Engine:
                                     reserve_tokens=config.reserve_tokens, key_salt=salt,
                                     sliding_window=model.config.sliding_window,
                                     prompt_seqs_limit=self.runner.prompt_seqs_limit, split_steps=config.split_steps,
-                                    fine_prompt_buckets=config.fine_prompt_buckets)
+                                    packed_steps=config.packed_steps, fine_prompt_buckets=config.fine_prompt_buckets)
         self.precompiled, self.precompile_seconds = 0, 0.0
         if config.precompile_samplers and self.runner.has_program_table:
             self.precompile(config.precompile_samplers)

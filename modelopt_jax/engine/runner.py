@@ -109,23 +109,22 @@ class Runner:
     decode rows and prompt chunks runs as two programs, the decodes' then the prompts' (launched back
     to back, one copy back), so the programs a workload needs are the decode-row buckets plus the
     prompt-token buckets, not their product; the cost is the weights read twice in such a step.
-    ``one_program_mixed_tokens``: mixed steps whose prompt chunks pad to at least that many tokens run
-    as one program all the same, their decode rows padded to the largest decode bucket, so such
-    programs are one per large prompt bucket (the padded rows cost a few percent of a GEMM of that
-    many tokens; the second program's weight read costs more).
+    ``packed_steps``: a step with prompt chunks runs as one program in the packed layout
+    (:class:`PagedStep`'s ``decode_count``): its decode and prompt tokens side by side, padded as one
+    to a token bucket, so the programs are the decode buckets plus one per token bucket, and a mixed
+    step reads the weights once.
     """
 
     def __init__(self, model, num_pages: int, attention: AttentionConfig, pad_id: int = 0,
                  fixed_table_width: int = 1, max_rows: int = 256, split_steps: bool = True,
-                 one_program_mixed_tokens: int | None = None, decode_steps: int = 1,
-                 fine_prompt_buckets: bool = False):
+                 packed_steps: bool = False, decode_steps: int = 1, fine_prompt_buckets: bool = False):
         from flax import nnx
 
         self.attention = attention
         self.decode_steps = decode_steps  # forwards of a multi-step decode launch (see MULTI_STEP_ROWS)
         self.page_size = attention.page_size
         self.split_steps = split_steps
-        self.one_program_mixed_tokens = one_program_mixed_tokens if split_steps else None
+        self.packed_steps = packed_steps  # steps with prompt chunks take the packed layout (one program)
         self.fine_prompt_buckets = fine_prompt_buckets  # prompt sections also pad to FINE_PROMPT_SIZES
         self.max_decode_rows = bucket(max_rows, MIN_DECODE_ROWS)
         self.max_prompt_seqs = min(MAX_PROMPT_SEQS, max_rows)  # the scheduler admits no more per step
@@ -161,26 +160,24 @@ class Runner:
     # -- which programs a step runs ------------------------------------------------------------------
 
     def programs_of(self, batch: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-        return program_parts(batch, self.split_steps, self.one_program_mixed_tokens, self.fine_prompt_buckets)
+        return program_parts(batch, self.split_steps and not self.packed_steps)
 
     def step_key(self, batch: list[tuple[Request, int]], planned: bool = True) -> StepProgram:
         """The program one part of a step (:meth:`programs_of`) runs. The rows' pages need not be
         allocated yet."""
         params = [r.params for r, _ in batch]
         shape = step_shape(batch, self.attention, self.fixed_table_width, planned, self.max_prompt_seqs,
-                           self.fine_prompt_buckets)
-        if self.one_program_mixed_tokens is not None and shape.decode_rows and shape.prompt_tokens:
-            shape = dataclasses.replace(shape, decode_rows=self.max_decode_rows)  # one program per prompt bucket
+                           self.fine_prompt_buckets, self.max_decode_rows if self.packed_steps else None)
         return StepProgram(shape, max((p.logprobs or 0) for p in params), prompt_logprobs_k(batch),
                            sampler_for(params))
 
-    def prompt_seqs_limit(self, prompt_tokens: int) -> int:
-        """The prompt chunks a step of ``prompt_tokens`` prompt tokens may hold (the scheduler's cap):
-        where the prefill kernel runs, what its step shape has rows for (:func:`kernel_prompt_section`)."""
+    def prompt_seqs_limit(self, tokens: int) -> int:
+        """The prompt chunks a step may hold (the scheduler's cap) whose prompt section has ``tokens``
+        tokens (the prompt tokens; with ``packed_steps``, the decode tokens too): where the prefill
+        kernel runs, what its step shape has rows for (:func:`kernel_prompt_section`)."""
         if self.attention.prefill == "xla":
             return self.max_prompt_seqs
-        return kernel_prompt_section(token_bucket(prompt_tokens, fine=self.fine_prompt_buckets),
-                                     self.max_prompt_seqs)[2]
+        return kernel_prompt_section(token_bucket(tokens, fine=self.fine_prompt_buckets), self.max_prompt_seqs)[2]
 
     def step_keys(self, batch: list[tuple[Request, int]], planned: bool = True) -> list[StepProgram]:
         return [self.step_key(part, planned) for part in self.programs_of(batch)]
@@ -191,17 +188,18 @@ class Runner:
     def has_program_table(self) -> bool:
         """Whether every step's programs come from a table known ahead (:meth:`program_table`): the
         kernels read only the pages in use (fixed table width, prompt rows of PROMPT_TILE tokens) and
-        mixed steps run as two programs."""
-        return self.split_steps and self.attention.decode != "xla" and self.attention.prefill != "xla"
+        mixed steps are split or packed."""
+        return ((self.split_steps or self.packed_steps) and self.attention.decode != "xla"
+                and self.attention.prefill != "xla")
 
     def program_table(self, max_prompt_tokens: int, samplers=("greedy",)) -> list[StepProgram]:
         """The programs steps of at most ``max_prompt_tokens`` prompt tokens can run, per sampler, without
         log-probs: a decode program per decode-row bucket (with cascade attention where the model has it, and
-        also without it up to PLAIN_DECODE_ROWS rows), a prompt program per prompt-token bucket, and a mixed
-        program per prompt-token bucket from ``one_program_mixed_tokens`` on."""
+        also without it up to PLAIN_DECODE_ROWS rows), and a prompt program per prompt-token bucket (with
+        ``packed_steps``: a packed program per token bucket, which any step with prompt chunks runs)."""
         if not self.has_program_table:
             raise ValueError("the step programs form a table only where both attention sections run the kernels "
-                             "and mixed steps are split (Runner.has_program_table)")
+                             "and mixed steps are split or packed (Runner.has_program_table)")
         width = self.fixed_table_width
         cascade = bool(self.attention.cascade_group)
         shapes = [StepShape(d, 0, 0, 1, width, 0, cascade) for d in decode_buckets(self.max_decode_rows)]
@@ -210,9 +208,11 @@ class Runner:
                        if d <= PLAIN_DECODE_ROWS]
         for tokens in token_buckets(max_prompt_tokens, fine=self.fine_prompt_buckets):
             rows, row_width, seqs = kernel_prompt_section(tokens, self.max_prompt_seqs)
-            shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
-            if self.one_program_mixed_tokens is not None and tokens >= self.one_program_mixed_tokens:
-                shapes.append(StepShape(self.max_decode_rows, tokens, rows, row_width, width, seqs, cascade))
+            if self.packed_steps:
+                shapes.append(StepShape(min(tokens, self.max_decode_rows), tokens, rows, row_width, width, seqs,
+                                        cascade, packed=True))
+            else:
+                shapes.append(StepShape(0, tokens, rows, row_width, width, seqs))
         programs = [StepProgram(shape, 0, None, sampler) for sampler in samplers for shape in shapes]
         if self.decode_steps > 1:  # multi-step decode programs (no cascade attention)
             programs += [StepProgram(StepShape(d, 0, 0, 1, width, 0), 0, None, sampler, self.decode_steps)
@@ -371,6 +371,10 @@ class Runner:
         decode = [(r, n) for r, n in batch if n == 1]
         prompt = [(r, n) for r, n in batch if n > 1]
         t, nd, tile = shape.tokens, shape.decode_rows, shape.prompt_width
+        # the prompt tokens' first index in the step: after the decode section (split layout), or right
+        # after the decode rows in use (packed: the decode section is a capacity, and its unused rows
+        # hold no token)
+        first_prompt = len(decode) if shape.packed else nd
         plan = None
         if shape.cascade:
             plan = shared_prefixes([r for r, _ in decode], self.attention.cascade_group, page, shape.table_width,
@@ -405,7 +409,7 @@ class Runner:
                 next_ids[b] = r.prompt_ids[start + 1]
             launched.append((r, 1, start, start + 1 == r.length, out_row + b))
             spans[out_row + b] = (b, 1)
-        pad = nd - len(decode)
+        pad = 0 if shape.packed else nd - len(decode)
         tok_ids += [self.pad_id] * pad
         tok_from_last += [-1] * pad
         tok_pos += [0] * pad
@@ -418,19 +422,20 @@ class Runner:
                 width = min(tile, n - cut)
                 tables[table_row, :len(pages) - r.dropped] = pages[r.dropped:]
                 first_pages[table_row] = r.dropped
-                prompt_tokens[table_row - nd, :width] = np.arange(offset + cut, offset + cut + width)
+                at = offset + cut + (first_prompt if shape.packed else 0)  # (split: within the prompt section)
+                prompt_tokens[table_row - nd, :width] = np.arange(at, at + width)
                 table_row += 1
             pos = range(start, start + n)
             tok_ids += [r.token_at(p) for p in pos]  # prompt chunks: every token is known
             tok_from_last += [-1] * n
             tok_pos += pos
             tok_slots += [pages[p // page] * page + p % page for p in pos]
-            logit_index[nd + j] = nd + offset + n - 1
+            logit_index[nd + j] = first_prompt + offset + n - 1
             if r.params.prompt_logprobs is not None and start + 1 < len(r.prompt_ids):
                 end = min(start + n + 1, len(r.prompt_ids))  # next prompt token of each fed position
-                next_ids[nd + offset:nd + offset + end - start - 1] = r.prompt_ids[start + 1:end]
+                next_ids[first_prompt + offset:first_prompt + offset + end - start - 1] = r.prompt_ids[start + 1:end]
             launched.append((r, n, start, start + n == r.length, out_row + nd + j))
-            spans[out_row + nd + j] = (nd + offset, n)
+            spans[out_row + nd + j] = (first_prompt + offset, n)
             offset += n
         step = PagedStep(input_ids=_padded(tok_ids, t, self.pad_id), positions=_padded(tok_pos, t),
                          slots=_padded(tok_slots, t), block_tables=tables, prompt_tokens=prompt_tokens,
@@ -439,7 +444,8 @@ class Runner:
                          shared_tables=None if plan is None else plan.tables,
                          shared_rows=None if plan is None else plan.rows,
                          shared_lengths=None if plan is None else _padded(plan.lengths, nd),
-                         real_tokens=_padded([1] * len(decode) + [0] * pad + [1] * offset, t))
+                         real_tokens=_padded([1] * len(decode) + [0] * pad + [1] * offset, t),
+                         decode_count=np.int32(len(decode)) if shape.packed else None)
         ordered = [r for r, _ in decode] + [r for r, _ in prompt]
         params = [r.params for r in ordered]
         s = shape.sampled_rows

@@ -38,13 +38,17 @@ from modelopt_jax.engine.request import Request
 class Scheduler:
     def __init__(self, pool: PagePool, *, max_num_seqs: int, max_num_batched_tokens: int, reserve_tokens: int = 0,
                  key_salt: bytes = b"", sliding_window: int | None = None, prompt_seqs_limit=None,
-                 split_steps: bool = False, fine_prompt_buckets: bool = False):
+                 split_steps: bool = False, packed_steps: bool = False, fine_prompt_buckets: bool = False):
         self.pool = pool
         # prompt_seqs_limit(prompt tokens) -> the prompt chunks a step of that many prompt tokens may hold
         self.prompt_seqs_limit = prompt_seqs_limit or (lambda tokens: MAX_PROMPT_SEQS)
         # The runner runs a step's decodes and prompt chunks as two programs: the prompt budget is then
         # rounded down to a prompt-token bucket (its program is filled exactly), not the step's padding.
         self.split_steps = split_steps
+        # The runner packs a step's decodes and prompt chunks into one program padded as one to a token
+        # bucket: the prompt budget then fills the largest bucket within max_num_batched_tokens with the
+        # decodes counted in, and prompt_seqs_limit is asked about the step's whole token count.
+        self.packed_steps = packed_steps
         self.fine_prompt_buckets = fine_prompt_buckets  # the runner's prompt-token sizes (buckets.FINE_PROMPT_SIZES)
         self.sliding_window = sliding_window  # the model's: pages wholly before every later token's window go back
         self.max_num_seqs = int(max_num_seqs)
@@ -122,13 +126,18 @@ class Scheduler:
             decodes = self._decode(speculative)
             if decodes is None:
                 return None
-            # the decode rows as the step will pad them (one program) or the prompt program's token
-            # bucket (two): a busy step's prompt chunks then fill it exactly, and such steps share a program
-            if self.split_steps:
+            # the decode rows as the step will pad them (one program), the prompt program's token bucket
+            # (two) or the packed step's bucket: a busy step's prompt chunks then fill it exactly, and such
+            # steps share a program
+            base = 0  # tokens of the step that count toward the prompt section's shape beside its prompt tokens
+            if self.packed_steps:
+                base = len(decodes)
+                budget = floor_token_bucket(self.max_num_batched_tokens, fine=self.fine_prompt_buckets) - base
+            elif self.split_steps:
                 budget = floor_token_bucket(self.max_num_batched_tokens - len(decodes), fine=self.fine_prompt_buckets)
             else:
                 budget = self.max_num_batched_tokens - (bucket(len(decodes), MIN_DECODE_ROWS) if decodes else 0)
-            plan = self._plan_prompts(budget)
+            plan = self._plan_prompts(budget, base)
             if plan and decodes and ready is not None and not ready(decodes + [(r, n) for r, n, _ in plan]):
                 self.decodes_while_compiling += 1
                 plan = []
@@ -206,10 +215,11 @@ class Scheduler:
             total += max(0, -(-end // page) - len(r.pages))
         return total
 
-    def _plan_prompts(self, budget: int) -> list[tuple[Request, int, list[int]]]:
+    def _plan_prompts(self, budget: int, base: int = 0) -> list[tuple[Request, int, list[int]]]:
         """The prompt chunks that fit ``budget`` tokens now: (request, tokens, cached pages it starts
-        from -- newly admitted requests only), changing nothing."""
-        plan, free, admitted, planned = [], self.pool.free, 0, 0
+        from -- newly admitted requests only), changing nothing. ``base``: the step's other tokens
+        that share the prompt section's shape (a packed step's decodes)."""
+        plan, free, admitted, planned = [], self.pool.free, 0, base
         page = self.pool.page_size
         prefilling = []  # requests whose prompt pages are still to be computed, with the first such page
         for r in self.running:

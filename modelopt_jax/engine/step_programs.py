@@ -130,7 +130,7 @@ def kernel_prompt_section(prompt_tokens: int, max_prompt_seqs: int) -> tuple[int
 
 def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fixed_table_width: int,
                planned: bool = False, max_prompt_seqs: int = MAX_PROMPT_SEQS,
-               fine_prompt_buckets: bool = False) -> StepShape:
+               fine_prompt_buckets: bool = False, packed_decode_rows: int | None = None) -> StepShape:
     """The padded shape of the program that runs ``batch`` (rows feeding one token are decode rows).
 
     Bucketed so a workload compiles a handful of programs (each a whole-model compile): decode rows
@@ -144,6 +144,10 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     least 8) covering the longest row, one prompt row per sequence, its width and the rows powers of
     two. ``planned``: the rows' pages are not allocated yet (count those their fed tokens will need).
     ``fine_prompt_buckets``: the prompt tokens' sizes include ``buckets.FINE_PROMPT_SIZES``.
+    ``packed_decode_rows`` (the runner's largest decode bucket): a step with prompt chunks takes the
+    packed layout (:class:`~modelopt_jax.ops.paged_step.PagedStep`), its token count padded as one,
+    ``token_bucket(D + P)``; where the table is fixed, its decode section has room for every decode
+    row that fits (``min(T, packed_decode_rows)``), so the program depends on T alone.
     """
     page = attention.page_size
     decode = [n for _, n in batch if n == 1]
@@ -158,7 +162,15 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     cascade = bool(attention.cascade_group and decode)  # the runner drops it where no row shares a prefix
     if not prompt:
         return StepShape(decode_rows, 0, 0, 1, width, 0, cascade)
-    tokens = token_bucket(sum(prompt), fine=fine_prompt_buckets)
+    if packed_decode_rows is not None:
+        tokens = token_bucket(len(decode) + sum(prompt), fine=fine_prompt_buckets)
+        if fixed:
+            decode_rows = min(tokens, packed_decode_rows)
+            cascade = bool(attention.cascade_group)
+        else:  # (a fine token bucket may be below the decode rows' power of two)
+            decode_rows = min(tokens, decode_rows)
+    else:
+        tokens = token_bucket(sum(prompt), fine=fine_prompt_buckets)
     if fixed:
         rows, row_width, seqs = kernel_prompt_section(tokens, max_prompt_seqs)
         # a caller past the scheduler's sequence cap still gets a shape that holds its rows
@@ -167,19 +179,15 @@ def step_shape(batch: list[tuple[Request, int]], attention: AttentionConfig, fix
     else:
         rows = seqs = bucket(len(prompt))
         row_width = bucket(max(prompt), MIN_PROMPT_TOKENS)
-    return StepShape(decode_rows, tokens, rows, row_width, width, seqs, cascade)
+    return StepShape(decode_rows, tokens, rows, row_width, width, seqs, cascade, packed_decode_rows is not None)
 
 
-def program_parts(batch: list[tuple[Request, int]], split: bool, one_program_tokens: int | None = None,
-                  fine_prompt_buckets: bool = False) -> list[list[tuple[Request, int]]]:
+def program_parts(batch: list[tuple[Request, int]], split: bool) -> list[list[tuple[Request, int]]]:
     """The rows each program of a step of ``batch`` runs, in launch order (decode rows first): the
-    decodes' and the prompt chunks' programs where ``split`` and the step holds both, unless its
-    prompt chunks pad to at least ``one_program_tokens`` tokens; else one."""
+    decodes' and the prompt chunks' programs where ``split`` and the step holds both; else one."""
     decode = [(r, n) for r, n in batch if n == 1]
     prompt = [(r, n) for r, n in batch if n > 1]
-    if split and decode and prompt and not (
-            one_program_tokens is not None
-            and token_bucket(sum(n for _, n in prompt), fine=fine_prompt_buckets) >= one_program_tokens):
+    if split and decode and prompt:
         return [decode, prompt]
     return [decode + prompt]
 

@@ -171,6 +171,8 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     xla_decode = functools.partial(_xla_paged_attention, k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype,
                                    window=config.sliding_window, first_pages=None if first is None else first[:d])
     kernel_args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page, dtype=dtype)
+    if step.decode_count is not None:
+        return _packed_step_attention(q, k_new, v_new, k_pool, v_pool, step, kernel_args)
     if d == t and config.decode == "fused_kernel" and step.shared_lengths is not None:
         out, k_pool, v_pool = _cascade_decode(q, k_new, v_new, k_pool, v_pool, step, fused=True, **kernel_args)
         return out, k_pool, v_pool
@@ -210,15 +212,56 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
     return out, k_pool, v_pool
 
 
+def _packed_step_attention(q, k_new, v_new, k_pool, v_pool, step: PagedStep, kernel_args: dict):
+    """:func:`step_attention` of a packed step (``step.decode_count`` given; ops.paged_step's module
+    docstring): the keys/values stored, then the decode section (its first ``num_decode`` tokens, the
+    rows from ``decode_count`` on given no keys) and the prompt rows over the whole step, added: each
+    path gives zeros where the other's tokens are (the prefill paths for a token in no prompt row,
+    and the decode section's unused rows are masked to zero)."""
+    config, d = step.attention, step.num_decode
+    t = q.shape[0]
+    first = step.first_pages
+    k_pool, v_pool = store_rows(k_pool, step.slots, k_new), store_rows(v_pool, step.slots, v_new)
+    prompt_rows = step.prompt_tokens
+    operands = (q, k_pool, v_pool, jnp.zeros(t, jnp.int32), step.positions, step.block_tables[d:])
+    xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows,
+                                    window=config.sliding_window, first_pages=None if first is None else first[d:])
+    if config.prefill == "xla":
+        out = xla_prefill(*operands)
+    else:
+        kernel = functools.partial(_prefill_kernel_paged_attention, **kernel_args, row_tokens=prompt_rows)
+        out = jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_prefill)
+    if not d:
+        return out, k_pool, v_pool
+    live = jnp.arange(d, dtype=jnp.int32) < step.decode_count
+    positions = jnp.where(live, step.positions[:d], -1)  # an unused row sees no key
+    if step.shared_lengths is not None:
+        decoded = _cascade_decode(q[:d], None, None, k_pool, v_pool, step, fused=False, positions=positions,
+                                  **kernel_args)[0]
+    else:
+        decode_operands = (q[:d], k_pool, v_pool, jnp.arange(d, dtype=jnp.int32), positions, step.block_tables[:d])
+        xla_decode = functools.partial(_xla_paged_attention, **kernel_args, window=config.sliding_window,
+                                       first_pages=None if first is None else first[:d])
+        if config.decode == "xla":
+            decoded = xla_decode(*decode_operands)
+        else:
+            kernel = functools.partial(_kernel_paged_attention, **kernel_args, variant=config.decode_variant,
+                                       splits=config.decode_splits)
+            decoded = jax.lax.platform_dependent(*decode_operands, cuda=kernel, default=xla_decode)
+    # (where, not a product: an unused row's output may be NaN, 0/0 over no keys)
+    return out.at[:d].add(jnp.where(live[:, None], decoded, 0).astype(out.dtype)), k_pool, v_pool
+
+
 def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: bool, k_scale, v_scale, page_size,
-                    dtype):
+                    dtype, positions=None):
     """Decode rows' attention as two parts merged by their log-sum-exps (cascade attention): each
     line's shared prefix (``step.shared_tables``), read once per line, the queries of the rows on it
     (``step.shared_rows``) scored against each key as it arrives (the prefill kernel, or XLA), and
     each row's own pages after it (the decode kernel over its table shifted past the prefix, or XLA). Exact in real
     arithmetic: softmax over the union of two key sets is the two softmaxes weighted by their
     denominators. ``fused``: the decode kernel also stores the step's keys/values (``k_new``,
-    ``v_new``). Returns ``(out [d, H * D] in dtype, k_pool, v_pool)``."""
+    ``v_new``). ``positions`` [d] (default the step's first d): each decode row's position (-1: a
+    packed step's unused row, which sees no key). Returns ``(out [d, H * D] in dtype, k_pool, v_pool)``."""
     config, d = step.attention, step.num_decode
     _, h, hd = q.shape
     shared = step.shared_lengths                                           # [d]
@@ -227,7 +270,7 @@ def _cascade_decode(q, k_new, v_new, k_pool, v_pool, step: PagedStep, *, fused: 
     index = jnp.arange(width, dtype=jnp.int32)[None] + (shared // page_size)[:, None]
     tables = step.block_tables[:d]
     own_tables = jnp.where(index < width, jnp.take_along_axis(tables, jnp.minimum(index, width - 1), axis=1), 0)
-    own_positions = step.positions[:d] - shared
+    own_positions = (step.positions[:d] if positions is None else positions) - shared
     decode_rows = jnp.arange(d, dtype=jnp.int32)
     args = dict(k_scale=k_scale, v_scale=v_scale, page_size=page_size, dtype=dtype)
     xla_own = functools.partial(_xla_attention_lse, **args)

@@ -16,6 +16,14 @@ is cut into rows changes no result, only the shapes. Both kinds share the step's
 runs the decode kernel over the first section and the prefill kernel over the second (two launches
 of one step, or one when the step holds one kind). Logits are taken at ``logit_index``: one entry
 per sampled row (decode rows first, then one per prompt sequence), independent of the row count.
+
+The packed layout (``decode_count`` given) runs a step of D decodes and P prompt tokens as one
+program keyed by its token count T alone (a bucket of D + P), not by D and P apart: the decode
+section is ``num_decode`` rows of *capacity* (D <= num_decode, rows D.. unused), token i < D is
+decode row i, the prompt tokens follow them at tokens D.., and ``prompt_tokens`` index the whole
+step (T pads). The decode kernel runs over the first num_decode tokens with the unused rows given no
+keys, the prefill kernel over all T tokens (a token in no prompt row gets zeros), and the two add
+up. The padding is then only T - D - P tokens, and a step with both kinds reads the weights once.
 """
 
 from __future__ import annotations
@@ -171,6 +179,9 @@ class PagedStep:
                                   # no line), its own pages after them through block_tables. None: no cascade
     real_tokens: jax.Array | None = None  # [T] 1 for a token of a request, 0 for padding (a sparse layer routes
                                   # padding to no expert, so its experts stream no weights for it). None: all real
+    decode_count: jax.Array | None = None  # [] the packed layout (module docstring): how many of the num_decode
+                                  # decode rows are real (tokens 0..decode_count-1); prompt_tokens then index
+                                  # the whole step. None: the split layout (decode rows fill num_decode)
 
     @property
     def num_tokens(self) -> int:
@@ -197,7 +208,9 @@ class PagedStep:
         if self.prompt_tokens.ndim != 2 or self.prompt_tokens.shape[0] != r - d:
             raise ValueError(f"PagedStep.prompt_tokens has shape {self.prompt_tokens.shape}, expected "
                              f"({r - d}, width): one line per prompt row")
-        if (r - d == 0) != (t - d == 0):
+        if self.decode_count is not None and self.decode_count.shape != ():
+            raise ValueError(f"PagedStep.decode_count has shape {self.decode_count.shape}, expected () (a scalar)")
+        if self.decode_count is None and (r - d == 0) != (t - d == 0):
             raise ValueError(f"PagedStep: {t - d} prompt tokens but {r - d} prompt rows")
         if self.logit_index.ndim != 1 or self.logit_index.shape[0] < d:
             raise ValueError(f"PagedStep.logit_index has shape {self.logit_index.shape}, expected (S,) with S >= "
@@ -227,7 +240,7 @@ class PagedStep:
             raise ValueError("PagedStep.first_pages is for sliding-window models (their rows drop early pages); "
                              "this step's attention has no window")
         for name in ("input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                     "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens"):
+                     "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens", "decode_count"):
             if getattr(self, name) is None:
                 continue
             dtype = getattr(self, name).dtype
@@ -237,7 +250,8 @@ class PagedStep:
 
 jax.tree_util.register_dataclass(
     PagedStep, data_fields=["input_ids", "positions", "slots", "block_tables", "prompt_tokens", "logit_index",
-                            "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens"],
+                            "first_pages", "shared_tables", "shared_rows", "shared_lengths", "real_tokens",
+                            "decode_count"],
     meta_fields=["num_decode", "attention"])
 
 
@@ -253,10 +267,12 @@ class StepShape:
     prompt_seqs: int              # sampled prompt sequences, padding included (<= prompt_rows)
     cascade: bool = False         # decode rows may read shared prefixes once per line (the step carries
                                   # PagedStep's cascade fields; needs attention.cascade_group)
+    packed: bool = False          # the packed layout (PagedStep.decode_count): decode_rows is the decode
+                                  # section's capacity and prompt_tokens the whole step's token count
 
     @property
     def tokens(self) -> int:
-        return self.decode_rows + self.prompt_tokens
+        return self.prompt_tokens if self.packed else self.decode_rows + self.prompt_tokens
 
     @property
     def rows(self) -> int:
@@ -278,7 +294,7 @@ class StepShape:
                          i32(self.sampled_rows), d, attention, None if attention.sliding_window is None else i32(r),
                          i32(cascade_lines(d, k), self.table_width) if cascade else None,
                          i32(cascade_lines(d, k), k) if cascade else None, i32(d) if cascade else None,
-                         real_tokens=i32(t))
+                         real_tokens=i32(t), decode_count=i32() if self.packed else None)
 
 
 def dense_rows_step(input_ids, positions, slots, block_tables, attention: AttentionConfig,
