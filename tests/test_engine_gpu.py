@@ -118,7 +118,7 @@ def test_split_mixed_steps_with_the_kernels_generate_what_one_program_does(check
 
 
 def test_packed_mixed_steps_with_the_kernels_generate_what_split_steps_do(checkpoint):
-    """On CUDA, the packed layout (the default): a step with prompt chunks runs as one program of
+    """On CUDA, the packed layout: a step with prompt chunks runs as one program of
     token_bucket(decodes + prompt tokens) tokens, the decode kernel over its decode section (unused
     rows given no keys) and the prefill kernel over the whole step, from the start-up table; the
     tokens are the split steps' up to near-ties (the GEMMs see other M)."""

@@ -1,5 +1,5 @@
-"""Which programs the engine's steps run: mixed steps packed into one program keyed by their token
-count (the default) or split into a decode and a prompt program, the kernels' prompt rows cut into
+"""Which programs the engine's steps run: mixed steps split into a decode and a prompt program (the
+default) or packed into one program keyed by their token count, the kernels' prompt rows cut into
 tiles, and the finite program table compiled at start-up.
 
 Correctness is stated against the engine's other layout (one program per mixed step, one prompt
@@ -84,7 +84,7 @@ def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
 
 
 def test_packed_steps_give_what_one_program_gives_with_prompt_tokens_right_after_the_decodes(llm):
-    """The default packed layout runs a step holding decode rows and prompt chunks as one program of
+    """The packed layout runs a step holding decode rows and prompt chunks as one program of
     token_bucket(decodes + prompt tokens) tokens: every request's tokens and log-probs equal the
     one-program split-free step's, every program with prompt tokens is packed, and the scheduler
     fills a busy step's bucket with decodes and prompt tokens together."""
@@ -92,8 +92,7 @@ def test_packed_steps_give_what_one_program_gives_with_prompt_tokens_right_after
     try:
         prompts, params = _workload()
         one, _ = _run(llm, _engine(llm, split_steps=False, packed_steps=False), prompts, params)
-        engine = _engine(llm)
-        assert engine.config.packed_steps
+        engine = _engine(llm, packed_steps=True)
         packed, stats = _run(llm, engine, prompts, params)
     finally:
         llm.engine = original
@@ -188,7 +187,7 @@ def test_packed_mixed_steps_run_from_the_table_one_program_per_token_bucket(llm,
         greedy = [dataclasses.replace(p, logprobs=None) for p in params]
         want, _ = _run(llm, _engine(llm), prompts, greedy)
         attention = dataclasses.replace(KERNELS, cascade_group=cascade_group)
-        engine = _engine(llm, attention, precompile_samplers=("greedy",), max_num_seqs=16)
+        engine = _engine(llm, attention, precompile_samplers=("greedy",), max_num_seqs=16, packed_steps=True)
         runner = engine.runner
         assert runner.max_decode_rows == 16
         table = runner.program_table(128)

@@ -59,11 +59,11 @@ class EngineConfig:
     precompile_samplers: tuple[str, ...] = ("greedy", "tempered")  # where the step programs form a table (the
                                               # CUDA kernels' paths), compile it at start-up for these samplers
                                               # (sampling.SAMPLERS); (): compile each program on first use
-    packed_steps: bool = True                 # a step with prompt chunks runs as one program, its decodes and
+    packed_steps: bool = False                # a step with prompt chunks runs as one program, its decodes and
                                               # prompt tokens packed side by side and padded as one to a token
                                               # bucket (ops.paged_step's packed layout): the weights read once per
                                               # mixed step, one program per token bucket (split_steps then applies
-                                              # to nothing)
+                                              # to nothing). Off until measured beside split steps on a GPU
     fine_prompt_buckets: bool = True          # a step's prompt tokens pad to powers of two and also to 384, 768
                                               # and 1536 (buckets.FINE_PROMPT_SIZES): less padded prompt work for
                                               # one arriving prompt, three more programs per sampler to compile
