@@ -188,66 +188,60 @@ def step_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax
                                           step.block_tables[:d], cuda=fused, default=scatter_then_xla)
     k_pool, v_pool = store_rows(k_pool, step.slots, k_new), store_rows(v_pool, step.slots, v_new)
     parts = []
-    if d and step.shared_lengths is not None:
-        parts.append(_cascade_decode(q[:d], None, None, k_pool, v_pool, step, fused=False, **kernel_args)[0])
-    elif d:
-        operands = (q[:d], k_pool, v_pool, decode_rows, step.positions[:d], step.block_tables[:d])
-        if config.decode == "xla":
-            parts.append(xla_decode(*operands))
-        else:
-            kernel = functools.partial(_kernel_paged_attention, **kernel_args, variant=config.decode_variant,
-                                       splits=config.decode_splits)
-            parts.append(jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_decode))
+    if d:
+        parts.append(_decode_section(q[:d], k_pool, v_pool, step, step.positions[:d], kernel_args))
     if d < t:
-        prompt_rows = step.prompt_tokens
-        operands = (q[d:], k_pool, v_pool, jnp.zeros(t - d, jnp.int32), step.positions[d:], step.block_tables[d:])
-        xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows,
-                                        window=config.sliding_window, first_pages=None if first is None else first[d:])
-        if config.prefill == "xla":
-            parts.append(xla_prefill(*operands))
-        else:
-            kernel = functools.partial(_prefill_kernel_paged_attention, **kernel_args, row_tokens=prompt_rows)
-            parts.append(jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_prefill))
+        parts.append(_prompt_rows(q[d:], k_pool, v_pool, step, step.positions[d:], kernel_args))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return out, k_pool, v_pool
 
 
+def _decode_section(q, k_pool, v_pool, step: PagedStep, positions, kernel_args: dict):
+    """The decode rows' attention (``q`` [d, H, D], token i of row i at ``positions[i]``; -1: a row that
+    sees no key) on the path ``step.attention`` names, over pools that already hold the step's keys."""
+    config, d = step.attention, step.num_decode
+    if step.shared_lengths is not None:
+        return _cascade_decode(q, None, None, k_pool, v_pool, step, fused=False, positions=positions,
+                               **kernel_args)[0]
+    first = step.first_pages
+    operands = (q, k_pool, v_pool, jnp.arange(d, dtype=jnp.int32), positions, step.block_tables[:d])
+    xla = functools.partial(_xla_paged_attention, **kernel_args, window=config.sliding_window,
+                            first_pages=None if first is None else first[:d])
+    if config.decode == "xla":
+        return xla(*operands)
+    kernel = functools.partial(_kernel_paged_attention, **kernel_args, variant=config.decode_variant,
+                               splits=config.decode_splits)
+    return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
+
+
+def _prompt_rows(q, k_pool, v_pool, step: PagedStep, positions, kernel_args: dict):
+    """The prompt rows' attention over the tokens ``q`` [T', H, D] that ``step.prompt_tokens`` index
+    (the prompt section in the split layout, the whole step in the packed one); a token in no prompt
+    row gets zeros."""
+    config, d = step.attention, step.num_decode
+    first = step.first_pages
+    operands = (q, k_pool, v_pool, jnp.zeros(q.shape[0], jnp.int32), positions, step.block_tables[d:])
+    xla = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=step.prompt_tokens,
+                            window=config.sliding_window, first_pages=None if first is None else first[d:])
+    if config.prefill == "xla":
+        return xla(*operands)
+    kernel = functools.partial(_prefill_kernel_paged_attention, **kernel_args, row_tokens=step.prompt_tokens)
+    return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
+
+
 def _packed_step_attention(q, k_new, v_new, k_pool, v_pool, step: PagedStep, kernel_args: dict):
     """:func:`step_attention` of a packed step (``step.decode_count`` given; ops.paged_step's module
-    docstring): the keys/values stored, then the decode section (its first ``num_decode`` tokens, the
-    rows from ``decode_count`` on given no keys) and the prompt rows over the whole step, added: each
-    path gives zeros where the other's tokens are (the prefill paths for a token in no prompt row,
-    and the decode section's unused rows are masked to zero)."""
-    config, d = step.attention, step.num_decode
-    t = q.shape[0]
-    first = step.first_pages
+    docstring): the keys/values stored, then the prompt rows over the whole step and the decode
+    section (its first ``num_decode`` tokens, the rows from ``decode_count`` on given no keys),
+    added: the prompt rows' paths give zeros for a token in no prompt row, and the decode section's
+    unused rows are masked to zero."""
+    d = step.num_decode
     k_pool, v_pool = store_rows(k_pool, step.slots, k_new), store_rows(v_pool, step.slots, v_new)
-    prompt_rows = step.prompt_tokens
-    operands = (q, k_pool, v_pool, jnp.zeros(t, jnp.int32), step.positions, step.block_tables[d:])
-    xla_prefill = functools.partial(_xla_paged_attention, **kernel_args, row_tokens=prompt_rows,
-                                    window=config.sliding_window, first_pages=None if first is None else first[d:])
-    if config.prefill == "xla":
-        out = xla_prefill(*operands)
-    else:
-        kernel = functools.partial(_prefill_kernel_paged_attention, **kernel_args, row_tokens=prompt_rows)
-        out = jax.lax.platform_dependent(*operands, cuda=kernel, default=xla_prefill)
+    out = _prompt_rows(q, k_pool, v_pool, step, step.positions, kernel_args)
     if not d:
         return out, k_pool, v_pool
     live = jnp.arange(d, dtype=jnp.int32) < step.decode_count
-    positions = jnp.where(live, step.positions[:d], -1)  # an unused row sees no key
-    if step.shared_lengths is not None:
-        decoded = _cascade_decode(q[:d], None, None, k_pool, v_pool, step, fused=False, positions=positions,
-                                  **kernel_args)[0]
-    else:
-        decode_operands = (q[:d], k_pool, v_pool, jnp.arange(d, dtype=jnp.int32), positions, step.block_tables[:d])
-        xla_decode = functools.partial(_xla_paged_attention, **kernel_args, window=config.sliding_window,
-                                       first_pages=None if first is None else first[:d])
-        if config.decode == "xla":
-            decoded = xla_decode(*decode_operands)
-        else:
-            kernel = functools.partial(_kernel_paged_attention, **kernel_args, variant=config.decode_variant,
-                                       splits=config.decode_splits)
-            decoded = jax.lax.platform_dependent(*decode_operands, cuda=kernel, default=xla_decode)
+    decoded = _decode_section(q[:d], k_pool, v_pool, step, jnp.where(live, step.positions[:d], -1), kernel_args)
     # (where, not a product: an unused row's output may be NaN, 0/0 over no keys)
     return out.at[:d].add(jnp.where(live[:, None], decoded, 0).astype(out.dtype)), k_pool, v_pool
 
