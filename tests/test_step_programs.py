@@ -64,18 +64,33 @@ def _assert_same(got, want):
         np.testing.assert_allclose(a.outputs[0].cumulative_logprob, b.outputs[0].cumulative_logprob, atol=1e-4)
 
 
-def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
+@pytest.fixture(scope="module")
+def one_program(llm):
+    """The mixed workload (``_workload()``) in the one-program layout, split nor packed: the outputs
+    both other layouts are held to, and its stats."""
+    original = llm.engine
+    try:
+        return _run(llm, _engine(llm, split_steps=False, packed_steps=False), *_workload())
+    finally:
+        llm.engine = original
+
+
+def _run_layout(llm, **layout):
+    """The mixed workload under an engine of ``layout``: (outputs, stats, engine)."""
+    original = llm.engine
+    try:
+        engine = _engine(llm, **layout)
+        return (*_run(llm, engine, *_workload()), engine)
+    finally:
+        llm.engine = original
+
+
+def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm, one_program):
     """A step holding decode rows and prompt chunks runs as a decode program and a prompt program
     (one copy back): every request's tokens and log-probs equal the one-program step's, such steps
     count as mixed steps, and no program holds both kinds of row."""
-    original = llm.engine
-    try:
-        prompts, params = _workload()
-        one, one_stats = _run(llm, _engine(llm, split_steps=False, packed_steps=False), prompts, params)
-        engine = _engine(llm, packed_steps=False)
-        two, two_stats = _run(llm, engine, prompts, params)
-    finally:
-        llm.engine = original
+    one, one_stats = one_program
+    two, two_stats, engine = _run_layout(llm, packed_steps=False)
     _assert_same(two, one)
     # (the budgets differ: a split step's prompt chunks fill a prompt-token bucket, so chunks differ too)
     assert two_stats["mixed_steps"] > 0 and one_stats["mixed_steps"] > 0
@@ -83,23 +98,17 @@ def test_mixed_steps_as_two_programs_give_what_one_program_gives(llm):
     assert two_stats["free_pages_after"] == two_stats["num_pages"] - 1  # (cached pages nobody holds count as free)
 
 
-def test_packed_steps_give_what_one_program_gives_with_prompt_tokens_right_after_the_decodes(llm):
+def test_packed_steps_give_what_one_program_gives_with_prompt_tokens_right_after_the_decodes(llm, one_program):
     """The packed layout runs a step holding decode rows and prompt chunks as one program of
     token_bucket(decodes + prompt tokens) tokens: every request's tokens and log-probs equal the
-    one-program split-free step's, every program with prompt tokens is packed, and the scheduler
-    fills a busy step's bucket with decodes and prompt tokens together."""
-    original = llm.engine
-    try:
-        prompts, params = _workload()
-        one, _ = _run(llm, _engine(llm, split_steps=False, packed_steps=False), prompts, params)
-        engine = _engine(llm, packed_steps=True)
-        packed, stats = _run(llm, engine, prompts, params)
-    finally:
-        llm.engine = original
-    _assert_same(packed, one)
+    one-program layout's, every program with prompt tokens is packed, and the scheduler fills a busy
+    step's bucket with decodes and prompt tokens together."""
+    packed, stats, engine = _run_layout(llm, packed_steps=True)
+    _assert_same(packed, one_program[0])
     assert stats["mixed_steps"] > 0
+    fine = engine.config.fine_prompt_buckets
     shapes = [p.shape for p in engine.runner.shapes]
-    assert all(s.packed and s.tokens == token_bucket(s.tokens) for s in shapes if s.prompt_tokens)
+    assert all(s.packed and s.tokens == token_bucket(s.tokens, fine=fine) for s in shapes if s.prompt_tokens)
     assert any(s.packed and s.decode_rows for s in shapes)  # a program that held decodes and prompt tokens
     assert stats["free_pages_after"] == stats["num_pages"] - 1
 
